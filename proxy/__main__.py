@@ -1,0 +1,6 @@
+"""`python -m proxy` runs the same CLI as the `llm-diag-proxy` console script."""
+
+from proxy.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

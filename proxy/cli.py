@@ -1,0 +1,168 @@
+"""The `llm-diag-proxy` command line: `serve` (the default), `simulate`, `sweep`, `demo`.
+
+Every mistake in a flag ends in one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+from proxy import __version__
+from proxy.config import (
+    DEFAULT_ADMIN_LISTEN,
+    DEFAULT_LISTEN,
+    DEFAULT_UPSTREAM,
+    ConfigError,
+    ProxyConfig,
+    parse_host_port,
+    parse_positive_int,
+    parse_seconds,
+    parse_upstream_url,
+)
+
+PROG = "llm-diag-proxy"
+# Modules that add a subcommand through `register(subparsers)`; serve is defined here.
+SUBCOMMAND_MODULES = ("proxy.simulator.cli", "proxy.sweep.cli", "proxy.demo")
+T = TypeVar("T")
+
+
+class CliError(Exception):
+    """A user mistake found after parsing; printed as one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`llm-diag-proxy: error: ...`) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """Adapt a `ConfigError`-raising parser to argparse, keeping its message."""
+
+    def convert(value: str) -> T:
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__.removeprefix("parse_")
+    return convert
+
+
+def env_default(name: str, fallback: str) -> str:
+    return os.environ.get(name) or fallback
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `serve`; `demo` reuses them for the proxy it starts."""
+    parser.add_argument("--upstream", type=flag_type(parse_upstream_url),
+                        default=env_default("LLM_DIAG_UPSTREAM", DEFAULT_UPSTREAM),
+                        help="base URL of the inference server (env LLM_DIAG_UPSTREAM; default %(default)s)")
+    parser.add_argument("--listen", type=flag_type(parse_host_port),
+                        default=env_default("LLM_DIAG_LISTEN", DEFAULT_LISTEN),
+                        help="HOST:PORT where clients connect (env LLM_DIAG_LISTEN; default %(default)s)")
+    parser.add_argument("--admin-listen", type=flag_type(parse_host_port),
+                        default=env_default("LLM_DIAG_ADMIN_LISTEN", DEFAULT_ADMIN_LISTEN),
+                        help="HOST:PORT for /metrics, /healthz, /readyz, /api/requests "
+                             "(env LLM_DIAG_ADMIN_LISTEN; default %(default)s)")
+    parser.add_argument("--deadline", type=flag_type(parse_seconds), default=0.0, metavar="SECONDS",
+                        help="total time allowed per response, 0 = off (default)")
+    parser.add_argument("--idle-timeout", type=flag_type(parse_seconds), default=0.0, metavar="SECONDS",
+                        help="longest allowed gap between upstream chunks, 0 = off (default)")
+    parser.add_argument("--deadline-mode", choices=("observe", "enforce"), default="observe",
+                        help="observe: only record a passed deadline (default); enforce: end the "
+                             "response with a visible error event")
+    parser.add_argument("--ring-size", type=flag_type(parse_positive_int), default=10_000,
+                        help="records kept in memory for /api/requests (default %(default)s)")
+    parser.add_argument("--max-models", type=flag_type(parse_positive_int), default=50,
+                        help="distinct model label values before the rest become 'other' (default %(default)s)")
+    parser.add_argument("--request-body-cap", type=flag_type(parse_positive_int), default=32 * 1024 * 1024,
+                        metavar="BYTES", help="largest request body parsed for diagnosis; larger ones pass "
+                                              "through unparsed (default 32 MiB)")
+    parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
+                        help="require 'Authorization: Bearer TOKEN' on the admin API's /api/* "
+                             "(env LLM_DIAG_ADMIN_TOKEN; default: no token)")
+    parser.add_argument("--gpu-poll-interval", type=flag_type(parse_seconds), default=1.0, metavar="SECONDS",
+                        help="NVML sampling interval, 0 = off (default %(default)s)")
+    parser.add_argument("--upstream-metrics", choices=("auto", "vllm", "ollama", "off"), default="auto",
+                        help="poll the upstream's own state: vLLM /metrics or Ollama /api/ps (default auto)")
+    add_logging_arguments(parser)
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    parser.add_argument("--log-format", choices=("json", "console"),
+                        default="console" if sys.stdout.isatty() else "json",
+                        help="json (the default when stdout is not a terminal) or console")
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The ProxyConfig named by serve's flags (defaults from the environment are parsed here too)."""
+    try:
+        return ProxyConfig(
+            upstream=parse_upstream_url(args.upstream),
+            listen=args.listen if not isinstance(args.listen, str) else parse_host_port(args.listen),
+            admin_listen=(args.admin_listen if not isinstance(args.admin_listen, str)
+                          else parse_host_port(args.admin_listen)),
+            deadline_s=args.deadline,
+            idle_timeout_s=args.idle_timeout,
+            deadline_mode=args.deadline_mode,
+            ring_size=args.ring_size,
+            max_models=args.max_models,
+            request_body_cap_bytes=args.request_body_cap,
+            admin_token=args.admin_token,
+            gpu_poll_interval_s=args.gpu_poll_interval,
+            upstream_metrics=args.upstream_metrics,
+            log_level=args.log_level,
+            log_format=args.log_format,
+        )
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from proxy.app import serve_forever  # imported late: keeps `--help` fast
+
+    return serve_forever(config_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description="A transparent diagnostic reverse proxy for LLM "
+                                                  "inference servers: records why every response ended.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    serve = subparsers.add_parser("serve", help="run the proxy (the default command)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module: Any = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    commands = {"serve", "simulate", "sweep", "demo"}
+    if not arguments or (arguments[0] not in commands and arguments[0] not in ("-h", "--help", "--version")):
+        arguments.insert(0, "serve")
+    args = parser.parse_args(arguments)
+    try:
+        result: int = args.func(args)
+    except CliError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return result

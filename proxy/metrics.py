@@ -1,0 +1,174 @@
+"""Every Prometheus metric the proxy exports, declared in one place.
+
+Names are fixed: dashboards and alerts depend on them. Label values come from bounded sets;
+model names are capped (`max_models`, the rest reported as `other`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy.record import ResponseRecord
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
+CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
+OTHER_MODEL = "other"
+NO_MODEL = "none"
+
+
+def concurrency_bucket(value: int) -> str:
+    """The smallest power of two >= value, as a label: `1`, `2`, `4`, ... `64`, then `128+`."""
+    if value <= 1:
+        return "1"
+    if value > 64:
+        return "128+"
+    return str(1 << (value - 1).bit_length())
+
+
+class ProxyMetrics:
+    """The proxy's metrics in their own registry, so several proxies can live in one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.max_models = max_models
+        self._models: set[str] = set()
+        r = self.registry
+        # --- per response -------------------------------------------------------------------
+        self.requests = Counter(
+            "llm_proxy_requests", "Responses by how they ended, with the concurrency bucket of their peak.",
+            ["route", "model", "stop_reason", "concurrency"], registry=r)
+        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now.", registry=r)
+        self.output_tokens = Histogram(
+            "llm_proxy_output_tokens", "Output tokens per response (usage when reported, else counted).",
+            ["route", "model", "stop_reason", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
+        self.requested_max_tokens = Histogram(
+            "llm_proxy_requested_max_tokens", "The output budget clients asked for.",
+            ["route", "model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "llm_proxy_time_to_first_token_seconds", "Time from request to the first content chunk.",
+            ["model", "concurrency"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "llm_proxy_inter_token_latency_seconds", "Mean gap between content chunks, per response.",
+            ["model", "concurrency"], buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "llm_proxy_request_duration_seconds", "Time from request to the end of the response.",
+            ["route", "model", "stop_reason"], buckets=DURATION_BUCKETS, registry=r)
+        self.truncated = Counter(
+            "llm_proxy_truncated", "Responses that did not end on their own, by cause.",
+            ["model", "cause"], registry=r)
+        self.client_disconnects = Counter(
+            "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
+            ["phase"], registry=r)
+        self.deadline_hits = Counter(
+            "llm_proxy_deadline_hits", "Responses that passed the total deadline or the idle timeout.",
+            ["kind", "mode"], registry=r)
+        self.upstream_errors = Counter(
+            "llm_proxy_upstream_errors", "Upstream failures by kind.", ["kind"], registry=r)
+        self.parse_errors = Counter(
+            "llm_proxy_parse_errors", "Responses whose bytes the parser could not fully read.",
+            ["dialect"], registry=r)
+        self.observer_errors = Counter(
+            "llm_proxy_observer_errors", "Observer failures (the traffic was not affected).", registry=r)
+        # --- GPU telemetry (NVML) ------------------------------------------------------------
+        gpu_labels = ["gpu", "uuid", "name"]
+        self.gpu_memory_used = Gauge(
+            "llm_proxy_gpu_memory_used_bytes", "GPU memory in use.", gpu_labels, registry=r)
+        self.gpu_memory_free = Gauge(
+            "llm_proxy_gpu_memory_free_bytes", "GPU memory free.", gpu_labels, registry=r)
+        self.gpu_memory_total = Gauge(
+            "llm_proxy_gpu_memory_total_bytes", "GPU memory in all.", gpu_labels, registry=r)
+        self.gpu_utilization = Gauge(
+            "llm_proxy_gpu_utilization_ratio", "GPU utilization (0-1) over NVML's last sample period.",
+            gpu_labels, registry=r)
+        self.gpu_process_memory = Gauge(
+            "llm_proxy_gpu_process_memory_bytes", "GPU memory used by each process.",
+            ["gpu", "pid", "process"], registry=r)
+        self.gpu_telemetry_up = Gauge(
+            "llm_proxy_gpu_telemetry_up", "1 while NVML telemetry works, else 0.", registry=r)
+        # --- the upstream server's own state -----------------------------------------------
+        self.upstream_running = Gauge(
+            "llm_proxy_upstream_requests_running", "Requests the upstream says it is running.", registry=r)
+        self.upstream_waiting = Gauge(
+            "llm_proxy_upstream_requests_waiting", "Requests the upstream says are waiting.", registry=r)
+        self.upstream_kv_usage = Gauge(
+            "llm_proxy_upstream_kv_cache_usage_ratio", "The upstream's KV-cache usage (0-1).", registry=r)
+        self.upstream_preemptions = Gauge(
+            "llm_proxy_upstream_preemptions", "The upstream's cumulative preemption counter, as read.",
+            registry=r)
+        self.upstream_models_loaded = Gauge(
+            "llm_proxy_upstream_models_loaded", "Models the upstream has loaded (Ollama /api/ps).", registry=r)
+        self.upstream_model_vram = Gauge(
+            "llm_proxy_upstream_model_vram_bytes", "VRAM held by each loaded model (Ollama /api/ps).",
+            ["model"], registry=r)
+        self.upstream_telemetry_up = Gauge(
+            "llm_proxy_upstream_telemetry_up", "1 while the upstream's state can be read, else 0.",
+            ["source"], registry=r)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def model_label(self, model: str | None) -> str:
+        """A bounded model label: the first `max_models` distinct names, then `other`."""
+        if not model:
+            return NO_MODEL
+        if model in self._models:
+            return model
+        if len(self._models) >= self.max_models:
+            return OTHER_MODEL
+        self._models.add(model)
+        return model
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*labels)
+            self._children[key] = child
+        return child
+
+
+class MetricsObserver:
+    """Turns each finished record into metric updates, and keeps the in-flight gauge."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+
+    def on_response_start(self, record: ResponseRecord) -> None:
+        if record.route != "other":
+            self.metrics.in_flight.inc()
+
+    def on_response(self, record: ResponseRecord) -> None:
+        m = self.metrics
+        if record.route != "other":
+            m.in_flight.dec()
+        model = m.model_label(record.model)
+        stop = record.stop_reason
+        bucket = concurrency_bucket(record.concurrency_peak)
+        m._child(m.requests, record.route, model, stop, bucket).inc()
+        m._child(m.duration, record.route, model, stop).observe(record.duration_s)
+        if record.upstream_error is not None:
+            m._child(m.upstream_errors, record.upstream_error).inc()
+        if record.parse_error:
+            m._child(m.parse_errors, record.dialect).inc()
+        if record.observer_errors:
+            m.observer_errors.inc(len(record.observer_errors))
+        if stop == "not_inference":
+            return
+        if record.output_tokens is not None:
+            m._child(m.output_tokens, record.route, model, stop, bucket).observe(record.output_tokens)
+        if record.requested_max_tokens is not None:
+            m._child(m.requested_max_tokens, record.route, model).observe(record.requested_max_tokens)
+        if record.ttft_s is not None:
+            m._child(m.ttft, model, bucket).observe(record.ttft_s)
+        if record.itl_mean_s is not None:
+            m._child(m.itl, model, bucket).observe(record.itl_mean_s)
+        cause = record.truncation_cause
+        if cause is not None:
+            m._child(m.truncated, model, cause).inc()
+        if record.client_disconnected and record.disconnect_phase is not None:
+            m._child(m.client_disconnects, record.disconnect_phase).inc()
+        if record.deadline_hit != "none":
+            m._child(m.deadline_hits, record.deadline_hit, record.deadline_mode or "observe").inc()

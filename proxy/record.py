@@ -1,0 +1,125 @@
+"""The response record: one per proxied response, the unit everything downstream consumes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+StopReason = Literal[
+    "eos",
+    "stop_sequence",
+    "length",
+    "tool_calls",
+    "content_filter",
+    "client_disconnect",
+    "upstream_disconnect",
+    "deadline",
+    "idle_timeout",
+    "upstream_error",
+    "rejected",
+    "not_inference",
+    "unknown",
+]
+STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+
+# Stop reasons that mean the answer is complete; everything else counts as truncated.
+COMPLETE_STOP_REASONS = frozenset({"eos", "stop_sequence", "tool_calls"})
+
+LengthCause = Literal["requested_budget", "server_limit", "unknown"]
+UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event"]
+UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
+DeadlineKind = Literal["none", "total", "idle"]
+Dialect = Literal["openai", "ollama", "llamacpp", "none"]
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the client asked for, read from a copy of the request body."""
+
+    model: str | None = None
+    stream: bool | None = None
+    requested_max_tokens: int | None = None
+    num_ctx: int | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    n: int | None = None
+    body_parsed: bool = False
+    body_note: str | None = None
+
+
+@dataclass(slots=True)
+class ResponseRecord:
+    """Why one response ended, under how much concurrency, and how fast its tokens came.
+
+    Figures that are estimates say so: `tokens_source` is `counted` when the output token
+    count comes from counting content chunks rather than from the server's own `usage`.
+    """
+
+    request_id: str
+    method: str
+    path: str
+    route: str
+    dialect: Dialect
+    started_at: float  # unix time
+    model: str | None = None
+    stream: bool | None = None
+    status: int | None = None
+    requested_max_tokens: int | None = None
+    output_tokens: int | None = None
+    tokens_source: Literal["usage", "counted", "none"] = "none"
+    prompt_tokens: int | None = None
+    stop_reason: StopReason = "unknown"
+    finish_reason_raw: str | None = None
+    length_cause: LengthCause | None = None
+    concurrency_at_start: int = 0
+    concurrency_peak: int = 0
+    concurrency_mean: float = 0.0
+    queue_time_s: float | None = None
+    queue_time_source: str | None = None
+    ttft_s: float | None = None
+    itl_mean_s: float | None = None
+    itl_p95_s: float | None = None
+    itl_max_s: float | None = None
+    duration_s: float = 0.0
+    deadline_hit: DeadlineKind = "none"
+    deadline_mode: Literal["observe", "enforce"] | None = None
+    client_disconnected: bool = False
+    disconnect_phase: Literal["before_first_token", "mid_stream"] | None = None
+    upstream_error: UpstreamErrorKind | None = None
+    upstream_error_detail: str | None = None
+    parse_error: bool = False
+    parse_error_detail: str | None = None
+    bytes_out: int = 0
+    seed: int | None = None
+    temperature: float | None = None
+    num_ctx: int | None = None
+    n: int | None = None
+    truncated_flag: bool | None = None  # llama.cpp's own `truncated`
+    server_timings: dict[str, float] | None = None
+    # Correlation with GPU memory and the server's own state (telemetry observers fill these).
+    gpu: str | None = None
+    vram_free_min_bytes: int | None = None
+    vram_used_max_bytes: int | None = None
+    upstream_running_max: float | None = None
+    upstream_waiting_max: float | None = None
+    kv_cache_usage_max: float | None = None
+    preemptions_during: float | None = None
+    preemptions_scope: str | None = None
+    observer_errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def truncated(self) -> bool:
+        """True when the answer did not end on its own (see COMPLETE_STOP_REASONS)."""
+        return self.stop_reason not in COMPLETE_STOP_REASONS and self.stop_reason != "not_inference"
+
+    @property
+    def truncation_cause(self) -> str | None:
+        """The cause label of `llm_proxy_truncated_total`, or None for a complete answer."""
+        if not self.truncated:
+            return None
+        if self.stop_reason == "length" and self.length_cause == "server_limit":
+            return "server_limit"
+        return self.stop_reason
