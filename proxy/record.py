@@ -26,7 +26,7 @@ STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined
 COMPLETE_STOP_REASONS = frozenset({"eos", "stop_sequence", "tool_calls"})
 
 LengthCause = Literal["requested_budget", "server_limit", "unknown"]
-UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event"]
+UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
 DeadlineKind = Literal["none", "total", "idle"]
 Dialect = Literal["openai", "ollama", "llamacpp", "none"]

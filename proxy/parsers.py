@@ -1,0 +1,195 @@
+"""Response parsers: a response's bytes in, typed events out, whatever the framing.
+
+Each parser is incremental (`feed` per chunk, `close` at the end) and never raises: what it
+cannot read becomes a `ParseError` event, and the bytes have been forwarded regardless.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import orjson
+
+from proxy.dialects import ollama_events, openai_events
+from proxy.events import DONE, Event, ParseError
+from proxy.ndjson import NdjsonDecoder
+from proxy.sse import SseDecoder
+
+_NO_EVENTS: list[Event] = []
+_DONE_PAYLOAD = b"[DONE]"
+
+Interpret = Callable[[Any], list[Event]]
+
+
+class ResponseParser(Protocol):
+    def feed(self, chunk: bytes) -> list[Event]: ...
+
+    def close(self) -> list[Event]: ...
+
+
+def _interpret(interpret: Interpret, payload: bytes) -> list[Event]:
+    try:
+        return interpret(orjson.loads(payload))
+    except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
+        return [ParseError(f"{type(exc).__name__}: {str(exc)[:200]}")]
+
+
+class SseParser:
+    """OpenAI-compatible (and llama.cpp) server-sent events."""
+
+    __slots__ = ("_decoder", "_interpret", "_overlong")
+
+    def __init__(self, interpret: Interpret, max_line: int) -> None:
+        self._decoder = SseDecoder(max_line)
+        self._interpret = interpret
+        self._overlong = 0
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        payloads = self._decoder.feed(chunk)
+        if self._decoder.overlong_lines != self._overlong:
+            self._overlong = self._decoder.overlong_lines
+            return [ParseError("a line exceeded the line limit"), *self._events(payloads)]
+        return self._events(payloads) if payloads else _NO_EVENTS
+
+    def close(self) -> list[Event]:
+        self._decoder.close()
+        return _NO_EVENTS
+
+    def _events(self, payloads: list[tuple[bytes | None, bytes]]) -> list[Event]:
+        if len(payloads) == 1:  # the common case: one event per chunk
+            return self._event(payloads[0][1])
+        events: list[Event] = []
+        for _, data in payloads:
+            events.extend(self._event(data))
+        return events
+
+    def _event(self, data: bytes) -> list[Event]:
+        if data[:6] == _DONE_PAYLOAD and data.strip() == _DONE_PAYLOAD:
+            return [DONE]
+        return _interpret(self._interpret, data)
+
+
+class NdjsonParser:
+    """Ollama's native newline-delimited JSON stream."""
+
+    __slots__ = ("_decoder", "_interpret", "_overlong")
+
+    def __init__(self, interpret: Interpret, max_line: int) -> None:
+        self._decoder = NdjsonDecoder(max_line)
+        self._interpret = interpret
+        self._overlong = 0
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        lines = self._decoder.feed(chunk)
+        events = self._events(lines) if lines else _NO_EVENTS
+        if self._decoder.overlong_lines != self._overlong:
+            self._overlong = self._decoder.overlong_lines
+            return [ParseError("a line exceeded the line limit"), *events]
+        return events
+
+    def close(self) -> list[Event]:
+        return self._events(self._decoder.close())
+
+    def _events(self, lines: list[bytes]) -> list[Event]:
+        if len(lines) == 1:
+            return _interpret(self._interpret, lines[0])
+        events: list[Event] = []
+        for line in lines:
+            events.extend(_interpret(self._interpret, line))
+        return events
+
+
+class JsonBodyParser:
+    """A complete (non-streaming) JSON body, read from a bounded copy at the end."""
+
+    __slots__ = ("_cap", "_chunks", "_interpret", "_size")
+
+    def __init__(self, interpret: Interpret, cap: int) -> None:
+        self._interpret = interpret
+        self._cap = cap
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        self._size += len(chunk)
+        if self._size <= self._cap:
+            self._chunks.append(chunk)
+        elif self._chunks:
+            self._chunks.clear()
+        return _NO_EVENTS
+
+    def close(self) -> list[Event]:
+        if self._size > self._cap:
+            return [ParseError(f"body of {self._size} bytes exceeds the {self._cap}-byte parse cap")]
+        if not self._size:
+            return [ParseError("empty body")]
+        events = _interpret(self._interpret, b"".join(self._chunks))
+        self._chunks.clear()
+        return [*events, DONE] if events and not isinstance(events[0], ParseError) else events
+
+
+class UnknownParser:
+    """A body in a framing we do not read: reported once, forwarded untouched."""
+
+    __slots__ = ("_reason",)
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        return _NO_EVENTS
+
+    def close(self) -> list[Event]:
+        return [ParseError(self._reason)]
+
+
+class DecompressingParser:
+    """Reads a gzip- or deflate-encoded body from a copy; the client still gets the encoded bytes."""
+
+    __slots__ = ("_cap", "_inner", "_zlib")
+
+    def __init__(self, inner: ResponseParser, encoding: str, cap: int) -> None:
+        self._inner = inner
+        self._cap = cap
+        wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+        self._zlib: Any = zlib.decompressobj(wbits)
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        if self._zlib is None:
+            return _NO_EVENTS
+        try:
+            plain = self._zlib.decompress(chunk, self._cap)
+        except zlib.error as exc:
+            self._zlib = None
+            return [ParseError(f"cannot decompress: {exc}")]
+        if self._zlib.unconsumed_tail:  # more than the cap out of one chunk: a bomb, stop reading
+            self._zlib = None
+            return [ParseError("decompressed chunk exceeds the parse cap"), *self._inner.feed(plain)]
+        return self._inner.feed(plain)
+
+    def close(self) -> list[Event]:
+        return self._inner.close()
+
+
+def parser_for(dialect: str, content_type: str, content_encoding: str, *,
+               max_line: int, body_cap: int) -> ResponseParser:
+    """The parser for one response of an inference route, chosen by what the server declared."""
+    interpret: Interpret = ollama_events if dialect == "ollama" else openai_events
+    media = content_type.partition(";")[0].strip().lower()
+    parser: ResponseParser
+    if media == "text/event-stream":
+        parser = SseParser(interpret, max_line)
+    elif media in ("application/x-ndjson", "application/ndjson", "application/jsonl"):
+        parser = NdjsonParser(interpret, max_line)
+    elif media == "application/json" or media.endswith("+json"):
+        parser = JsonBodyParser(interpret, body_cap)
+    else:
+        parser = UnknownParser(f"unrecognised content type {media or '(none)'!r}")
+    encoding = content_encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return parser
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        return DecompressingParser(parser, encoding, body_cap)
+    return UnknownParser(f"unsupported content encoding {encoding!r}")
