@@ -1,0 +1,189 @@
+"""Pure statistics of a sweep: per-level summaries and the bootstrap interval of a difference.
+
+No I/O and no clock: every function here is deterministic (the bootstrap takes a seed), so a
+sweep's numbers can be recomputed from its `sweep.json`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from proxy.record import COMPLETE_STOP_REASONS, ResponseRecord
+from proxy.sweep.sample import Sample
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 20240601
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * min(max(q, 0.0), 1.0)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return quantile(values, 0.5)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def stop_label(record: ResponseRecord) -> str:
+    """The stop reason, with `length` split by its cause: `length:server_limit`, `length:requested_budget`."""
+    if record.stop_reason == "length" and record.length_cause in ("server_limit", "requested_budget"):
+        return f"length:{record.length_cause}"
+    return record.stop_reason
+
+
+def is_complete(record: ResponseRecord) -> bool:
+    """The answer ended on its own (EOS, a stop sequence, a tool call)."""
+    return record.stop_reason in COMPLETE_STOP_REASONS
+
+
+def output_tokens(record: ResponseRecord) -> int:
+    """Output tokens of a response; one that produced none (rejected, failed) counts as 0."""
+    return record.output_tokens or 0
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A point estimate with a two-sided confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+    confidence: float
+    method: str
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def bootstrap_mean_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95,
+                              resamples: int = BOOTSTRAP_RESAMPLES,
+                              seed: int = BOOTSTRAP_SEED) -> Interval | None:
+    """mean(b) - mean(a) with a percentile bootstrap interval (each group resampled on its own)."""
+    if not a or not b:
+        return None
+    rng = random.Random(seed)
+    estimate = sum(b) / len(b) - sum(a) / len(a)
+    diffs = sorted(
+        sum(rng.choices(b, k=len(b))) / len(b) - sum(rng.choices(a, k=len(a))) / len(a)
+        for _ in range(resamples))
+    tail = (1.0 - confidence) / 2
+    low = quantile(diffs, tail)
+    high = quantile(diffs, 1.0 - tail)
+    assert low is not None and high is not None
+    return Interval(estimate, low, high, confidence, f"percentile bootstrap, {resamples} resamples")
+
+
+@dataclass(frozen=True, slots=True)
+class LevelSummary:
+    """What one concurrency level produced; None where no response carried the figure."""
+
+    level: int
+    n: int
+    output_tokens_median: float
+    output_tokens_q1: float
+    output_tokens_q3: float
+    output_tokens_mean: float
+    requested_max_tokens: int | None
+    complete: int
+    completion_rate: float
+    stop_counts: dict[str, int]
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+    duration_p50_s: float
+    duration_max_s: float
+    deadline_hits: int
+    client_disconnects: int
+    preempted_responses: int | None
+    preemptions_max: float | None
+    server_errors: int
+    vram_free_min_bytes: int | None
+    kv_cache_usage_max: float | None
+    concurrency_mean: float | None
+    joined: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _present(values: Iterable[float | int | None]) -> list[float]:
+    return [float(v) for v in values if v is not None]
+
+
+def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
+    """The summary of one level's responses (at least one)."""
+    if not samples:
+        raise ValueError(f"no responses at concurrency {level}")
+    records = [s.record for s in samples]
+    tokens = [float(output_tokens(r)) for r in records]
+    durations = [r.duration_s for r in records]
+    ttfts = _present(r.ttft_s for r in records)
+    itls = _present(r.itl_mean_s for r in records)
+    budgets = Counter(r.requested_max_tokens for r in records if r.requested_max_tokens is not None)
+    preemptions = _present(r.preemptions_during for r in records)
+    vram = [r.vram_free_min_bytes for r in records if r.vram_free_min_bytes is not None]
+    kv = _present(r.kv_cache_usage_max for r in records)
+    joined = [s for s in samples if s.record_source == "proxy"]
+    complete = sum(1 for r in records if is_complete(r))
+    return LevelSummary(
+        level=level,
+        n=len(records),
+        output_tokens_median=_must(median(tokens)),
+        output_tokens_q1=_must(quantile(tokens, 0.25)),
+        output_tokens_q3=_must(quantile(tokens, 0.75)),
+        output_tokens_mean=_must(mean(tokens)),
+        requested_max_tokens=budgets.most_common(1)[0][0] if budgets else None,
+        complete=complete,
+        completion_rate=complete / len(records),
+        stop_counts=dict(Counter(stop_label(r) for r in records).most_common()),
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p95_s=quantile(ttfts, 0.95),
+        itl_p50_s=quantile(itls, 0.5),
+        itl_p95_s=quantile(itls, 0.95),
+        duration_p50_s=_must(median(durations)),
+        duration_max_s=max(durations),
+        deadline_hits=sum(1 for r in records if r.deadline_hit != "none"),
+        client_disconnects=sum(1 for r in records if r.client_disconnected),
+        preempted_responses=sum(1 for p in preemptions if p > 0) if preemptions else None,
+        preemptions_max=max(preemptions) if preemptions else None,
+        server_errors=sum(1 for r in records
+                          if r.upstream_error is not None or (r.status is not None and r.status >= 500)),
+        vram_free_min_bytes=min(vram) if vram else None,
+        kv_cache_usage_max=max(kv) if kv else None,
+        concurrency_mean=mean([s.record.concurrency_mean for s in joined]) if joined else None,
+        joined=len(joined),
+    )
+
+
+def summarize(samples: Iterable[Sample]) -> list[LevelSummary]:
+    """One summary per concurrency level, lowest level first."""
+    return [summarize_level(level, group) for level, group in by_level(samples).items()]
+
+
+def by_level(samples: Iterable[Sample]) -> dict[int, list[Sample]]:
+    """Samples grouped by level, lowest level first."""
+    groups: dict[int, list[Sample]] = {}
+    for sample in sorted(samples, key=lambda s: (s.level, s.index)):
+        groups.setdefault(sample.level, []).append(sample)
+    return groups
+
+
+def _must(value: float | None) -> float:
+    assert value is not None  # callers pass non-empty sequences
+    return value

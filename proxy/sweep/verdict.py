@@ -1,0 +1,328 @@
+"""The sweep's verdict: pure rules that say what changed with concurrency, with the numbers behind it.
+
+The lowest level is the baseline. Rules, first match wins:
+1. the completion rate falls with concurrency and a timeout or limit dominates the cut
+   responses (deadline, idle timeout, rejection, the client's own timeout) -> `policy`;
+2. the completion rate falls and another cause dominates (a server-side token limit, upstream
+   errors or OOM, upstream disconnects) -> `serving_defect`;
+3. output length falls while stop reasons stay complete and durations cluster at one value
+   -> `hidden_cap` (inferred: a wall-clock cap returning partial text as complete);
+   without the cluster -> `length_shift` (inferred, cause not shown);
+4. otherwise only latency moved -> `no_load_effect`, with the length difference and its interval.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from proxy.sweep.sample import Sample
+from proxy.sweep.stats import (
+    Interval,
+    LevelSummary,
+    bootstrap_mean_difference,
+    is_complete,
+    median,
+    output_tokens,
+    stop_label,
+)
+
+VerdictKind = Literal["insufficient_data", "baseline_truncation", "policy", "serving_defect",
+                      "hidden_cap", "length_shift", "no_load_effect"]
+
+# A level "falls" when its completion rate is this many points below the baseline's, with at
+# least MIN_CUT responses not complete (one odd response is not a pattern).
+COMPLETION_DROP = 0.10
+MIN_CUT = 2
+# Output length "falls" when the mean is this share below the baseline's and the bootstrap
+# interval of the difference lies wholly below zero.
+LENGTH_DROP = 0.10
+# Durations "cluster" when this share lies within the tolerance of their median, and almost
+# none above it (a cap is a ceiling).
+CLUSTER_SHARE = 0.6
+CLUSTER_ABOVE_SHARE = 0.1
+CLUSTER_REL_TOLERANCE = 0.05
+CLUSTER_ABS_TOLERANCE_S = 0.05
+# Below this completion rate at the baseline, completion cannot show a load effect.
+BASELINE_MIN_COMPLETION = 0.5
+
+POLICY_CAUSES = ("deadline", "idle_timeout", "rejected", "client_disconnect")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the sweep shows, in one headline, the numbers behind it and what to do next."""
+
+    kind: VerdictKind
+    headline: str
+    cause: str | None
+    onset_level: int | None
+    inferred: bool
+    evidence: tuple[str, ...]
+    recommendation: str
+    length_difference: Interval | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        """The verdict as printed: headline, evidence lines, recommendation."""
+        lines = [f"VERDICT ({self.kind}{', inferred' if self.inferred else ''}): {self.headline}"]
+        lines += [f"  - {line}" for line in self.evidence]
+        lines.append(f"  => {self.recommendation}")
+        return "\n".join(lines)
+
+
+def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]], *,
+           client_timeout_s: float | None = None) -> Verdict:
+    """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level."""
+    if len(summaries) < 2 or summaries[0].n < 2:
+        return Verdict("insufficient_data", "too few levels or responses to compare", None, None, False,
+                       (f"{len(summaries)} level(s), {summaries[0].n if summaries else 0} response(s) "
+                        "at the lowest",),
+                       "sweep at least two levels with --repeats 2 or more")
+    base, top = summaries[0], summaries[-1]
+    difference = bootstrap_mean_difference([float(output_tokens(s.record)) for s in groups[base.level]],
+                                           [float(output_tokens(s.record)) for s in groups[top.level]])
+    latency = _latency_line(base, top)
+    if base.completion_rate < BASELINE_MIN_COMPLETION:
+        return _baseline_truncation(base, latency)
+    onset = next((s for s in summaries[1:]
+                  if base.completion_rate - s.completion_rate >= COMPLETION_DROP
+                  and s.n - s.complete >= MIN_CUT), None)
+    if onset is not None:
+        return _truncation(summaries, groups, onset, difference, latency, client_timeout_s)
+    length_onset = _length_onset(summaries, groups)
+    if length_onset is not None:
+        return _length_fall(summaries, groups, length_onset, latency)
+    observed = _observed_deadline(summaries)
+    if observed is not None:
+        return Verdict(
+            "policy", f"responses pass the proxy's deadline from concurrency {observed.level} "
+                      "(observed, not enforced)", "deadline_observed", observed.level, False,
+            (_completion_line(summaries), f"{observed.deadline_hits} of {observed.n} responses at "
+             f"concurrency {observed.level} passed the deadline; all still completed", latency),
+            f"disclose the deadline and keep concurrency below {observed.level}, or a client that "
+            "enforces it will see cut answers", difference)
+    return _no_load_effect(summaries, difference, latency)
+
+
+def _baseline_truncation(base: LevelSummary, latency: str) -> Verdict:
+    cut = {k: v for k, v in base.stop_counts.items() if k not in ("eos", "stop_sequence", "tool_calls")}
+    cause, count = max(cut.items(), key=lambda kv: kv[1]) if cut else ("unknown", 0)
+    if cause == "length:requested_budget":
+        advice = (f"raise --max-tokens above {base.requested_max_tokens} so answers can end on their "
+                  "own; only then can the completion rate show a load effect")
+    else:
+        advice = f"fix '{cause}' at concurrency {base.level} first: it is not a load effect"
+    return Verdict(
+        "baseline_truncation",
+        f"already at concurrency {base.level} only {_pct(base.completion_rate)} of answers completed",
+        cause, base.level, False,
+        (f"{count} of {base.n} responses at concurrency {base.level} ended with {cause}", latency),
+        advice)
+
+
+def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]],
+                onset: LevelSummary, difference: Interval | None, latency: str,
+                client_timeout_s: float | None) -> Verdict:
+    affected = [s for s in summaries if s.level >= onset.level]
+    causes: Counter[str] = Counter()
+    for summary in affected:
+        for sample in groups[summary.level]:
+            if not is_complete(sample.record):
+                causes[stop_label(sample.record)] += 1
+    cause, count = causes.most_common(1)[0]
+    total_cut = sum(causes.values())
+    share = (f"{count} of {total_cut} cut responses at concurrency >= {onset.level} "
+             f"({_pct(count / total_cut)})")
+    cut_samples = [s for summary in affected for s in groups[summary.level]
+                   if stop_label(s.record) == cause]
+    evidence = [_completion_line(summaries), f"dominant cause {cause}: {share}",
+                *_cause_detail(cause, cut_samples, client_timeout_s), latency]
+    others = [f"{k} {v}" for k, v in causes.most_common()[1:]]
+    if others:
+        evidence.insert(2, "other causes: " + ", ".join(others))
+    if cause in POLICY_CAUSES:
+        name = _policy_name(cause, client_timeout_s)
+        return Verdict(
+            "policy", f"{name} ends answers from concurrency {onset.level}", cause, onset.level, False,
+            tuple(evidence),
+            f"disclose this policy ({name}, from concurrency {onset.level}) and set capacity below "
+            f"{onset.level} concurrent requests, or raise the limit", difference)
+    return Verdict(
+        "serving_defect",
+        f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
+        f"of {onset.requested_max_tokens or 'unknown'} tokens", cause, onset.level, False, tuple(evidence),
+        f"a serving defect: fix '{cause}' under load (it starts at concurrency {onset.level}); until then "
+        f"keep concurrency below {onset.level}", difference)
+
+
+def _policy_name(cause: str, client_timeout_s: float | None) -> str:
+    if cause == "deadline":
+        return "the total deadline"
+    if cause == "idle_timeout":
+        return "the idle timeout between chunks"
+    if cause == "rejected":
+        return "admission control (requests rejected)"
+    timeout = f" of {client_timeout_s:g} s" if client_timeout_s else ""
+    return f"the client's timeout{timeout}"
+
+
+def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float | None) -> list[str]:
+    """Numbers that characterise one cause: where the limit sits."""
+    records = [s.record for s in samples]
+    if cause == "length:server_limit":
+        tokens = sorted(output_tokens(r) for r in records)
+        budget = median([float(r.requested_max_tokens) for r in records if r.requested_max_tokens])
+        asked = f" though {budget:g} were requested" if budget is not None else ""
+        return [f"these stopped at {_range(tokens)} output tokens{asked} (finish_reason "
+                f"{_mode([r.finish_reason_raw or '?' for r in records])!r})"]
+    if cause in ("deadline", "idle_timeout", "client_disconnect"):
+        durations = [r.duration_s for r in records]
+        line = f"these lasted {_seconds_range(durations)} (median {_s(median(durations))})"
+        if cause == "client_disconnect" and client_timeout_s:
+            line += f"; the sweep's --timeout is {client_timeout_s:g} s"
+        if cause == "idle_timeout":
+            gaps = [r.itl_max_s for r in records if r.itl_max_s is not None]
+            if gaps:
+                line += f"; longest gap between chunks median {_s(median(gaps))}"
+        return [line]
+    if cause == "rejected":
+        statuses = Counter(str(r.status) for r in records)
+        return ["HTTP statuses: " + ", ".join(f"{k} x{v}" for k, v in statuses.most_common())]
+    if cause == "upstream_error":
+        kinds = Counter(r.upstream_error or "?" for r in records)
+        detail = _mode([r.upstream_error_detail for r in records if r.upstream_error_detail] or ["-"])
+        return ["error kinds: " + ", ".join(f"{k} x{v}" for k, v in kinds.most_common())
+                + f"; most common detail: {detail[:120]}"]
+    return []
+
+
+def _length_onset(summaries: Sequence[LevelSummary],
+                  groups: Mapping[int, Sequence[Sample]]) -> tuple[LevelSummary, Interval] | None:
+    base = summaries[0]
+    base_tokens = [float(output_tokens(s.record)) for s in groups[base.level]]
+    for summary in summaries[1:]:
+        if summary.output_tokens_mean > base.output_tokens_mean * (1 - LENGTH_DROP):
+            continue
+        interval = bootstrap_mean_difference(
+            base_tokens, [float(output_tokens(s.record)) for s in groups[summary.level]])
+        if interval is not None and interval.high < 0:
+            return summary, interval
+    return None
+
+
+def _length_fall(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]],
+                 found: tuple[LevelSummary, Interval], latency: str) -> Verdict:
+    onset, interval = found
+    base = summaries[0]
+    fallen = [s for s in summaries if s.level >= onset.level]
+    lengths = ", ".join(f"c={s.level}: {s.output_tokens_median:g}" for s in summaries)
+    length_line = (f"median output tokens by concurrency: {lengths}; mean difference c={onset.level} vs "
+                   f"c={base.level}: {_interval(interval)}")
+    stops = f"stop reasons stay complete: {_completion_line(summaries)}"
+    durations = [s.record.duration_s for summary in fallen for s in groups[summary.level]]
+    cap = median(durations)
+    assert cap is not None
+    tolerance = max(cap * CLUSTER_REL_TOLERANCE, CLUSTER_ABS_TOLERANCE_S)
+    near = [d for d in durations if abs(d - cap) <= tolerance]
+    above = [d for d in durations if d > cap + tolerance]
+    clustered = (len(near) >= CLUSTER_SHARE * len(durations)
+                 and len(above) <= CLUSTER_ABOVE_SHARE * len(durations))
+    cluster_line = (f"{len(near)} of {len(durations)} responses at concurrency >= {onset.level} lasted "
+                    f"{_seconds_range(near) if near else '-'} (median {_s(cap)}); "
+                    f"at c={base.level} the median was {_s(base.duration_p50_s)}")
+    if clustered:
+        return Verdict(
+            "hidden_cap",
+            f"output shrinks from concurrency {onset.level} while every answer claims to be complete, "
+            f"and durations cluster at {_s(cap)}: a server-side wall-clock cap of about {_s(cap)} "
+            "returning partial text as complete",
+            "wall_clock_cap", onset.level, True, (length_line, stops, cluster_line, latency,
+                                                  "inferred from lengths and durations: the server "
+                                                  "itself reported no truncation"),
+            f"find and disclose the server's time limit (about {_s(cap)}); it cuts answers from "
+            f"concurrency {onset.level}, so set capacity below that or raise the limit", interval)
+    return Verdict(
+        "length_shift",
+        f"output shrinks from concurrency {onset.level} while stop reasons stay complete; "
+        "durations do not cluster, so no cap is shown",
+        None, onset.level, True, (length_line, stops, cluster_line, latency),
+        "compare the answers' text across levels (batching can change generation); run more seeded "
+        "repetitions to confirm", interval)
+
+
+def _observed_deadline(summaries: Sequence[LevelSummary]) -> LevelSummary | None:
+    base = summaries[0]
+    for summary in summaries[1:]:
+        if summary.deadline_hits >= MIN_CUT and summary.deadline_hits / summary.n >= 0.5 > (
+                base.deadline_hits / base.n):
+            return summary
+    return None
+
+
+def _no_load_effect(summaries: Sequence[LevelSummary], difference: Interval | None,
+                    latency: str) -> Verdict:
+    base, top = summaries[0], summaries[-1]
+    evidence = [_completion_line(summaries), latency]
+    if difference is not None:
+        evidence.append(f"output tokens, mean at c={top.level} minus c={base.level}: {_interval(difference)}")
+    preempted = [s for s in summaries if s.preempted_responses]
+    if preempted:
+        evidence.append("the server preempted during " + ", ".join(
+            f"{s.preempted_responses} response(s) at c={s.level}" for s in preempted)
+            + "; the answers still completed")
+    kv = [s for s in summaries if s.kv_cache_usage_max is not None]
+    if kv:
+        evidence.append("KV cache usage max: " + ", ".join(
+            f"c={s.level}: {_pct(s.kv_cache_usage_max or 0.0)}" for s in kv))
+    width = ("" if difference is None
+             else f" (the interval spans {difference.high - difference.low:.1f} tokens)")
+    return Verdict(
+        "no_load_effect",
+        "no load effect on completion shown: answers kept ending on their own; only latency changed",
+        None, None, False, tuple(evidence),
+        f"run more seeded repetitions (e.g. --repeats {max(2 * base.n // max(base.level, 1), 4)}) to "
+        f"narrow the length difference{width}", difference)
+
+
+# --- formatting ------------------------------------------------------------------------------
+
+def _completion_line(summaries: Sequence[LevelSummary]) -> str:
+    return "completion rate by concurrency: " + ", ".join(
+        f"c={s.level}: {_pct(s.completion_rate)} ({s.complete}/{s.n})" for s in summaries)
+
+
+def _latency_line(base: LevelSummary, top: LevelSummary) -> str:
+    return (f"TTFT p50 {_s(base.ttft_p50_s)} at c={base.level} -> {_s(top.ttft_p50_s)} at c={top.level}; "
+            f"ITL p50 {_s(base.itl_p50_s)} -> {_s(top.itl_p50_s)}")
+
+
+def _interval(interval: Interval) -> str:
+    return (f"{interval.estimate:+.1f} tokens, {interval.confidence:.0%} CI [{interval.low:+.1f}, "
+            f"{interval.high:+.1f}] ({interval.method})")
+
+
+def _pct(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def _s(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _seconds_range(values: Sequence[float]) -> str:
+    return f"{_s(min(values))}-{_s(max(values))}" if values else "-"
+
+
+def _range(values: Sequence[int]) -> str:
+    return f"{values[0]}" if values[0] == values[-1] else f"{values[0]}-{values[-1]}"
+
+
+def _mode(values: Sequence[str]) -> str:
+    return Counter(values).most_common(1)[0][0]

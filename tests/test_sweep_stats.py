@@ -1,0 +1,117 @@
+"""The sweep's pure statistics: quantiles, the bootstrap interval, per-level summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.sweep.stats import (
+    bootstrap_mean_difference,
+    by_level,
+    is_complete,
+    output_tokens,
+    quantile,
+    stop_label,
+    summarize,
+    summarize_level,
+)
+from tests.sweep_samples import level, sample
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([1.0], 0.5, 1.0),
+    ([1.0, 2.0, 3.0, 4.0], 0.5, 2.5),
+    ([1.0, 2.0, 3.0, 4.0], 0.25, 1.75),
+    ([4.0, 1.0, 3.0, 2.0], 0.75, 3.25),
+    ([1.0, 2.0, 3.0, 4.0], 0.0, 1.0),
+    ([1.0, 2.0, 3.0, 4.0], 1.0, 4.0),
+    ([10.0, 20.0], 0.95, 19.5),
+])
+def test_quantile_interpolates_linearly_between_order_statistics(values: list[float], q: float,
+                                                                 expected: float) -> None:
+    assert quantile(values, q) == pytest.approx(expected)
+
+
+def test_quantile_of_nothing_is_none() -> None:
+    assert quantile([], 0.5) is None
+
+
+def test_stop_label_splits_length_by_its_cause() -> None:
+    assert stop_label(sample(1, stop="length", length_cause="server_limit").record) == "length:server_limit"
+    assert stop_label(sample(1, stop="length", length_cause="requested_budget").record) == \
+        "length:requested_budget"
+    assert stop_label(sample(1, stop="length").record) == "length"
+    assert stop_label(sample(1, stop="rejected").record) == "rejected"
+
+
+def test_complete_means_the_answer_ended_on_its_own() -> None:
+    for stop in ("eos", "stop_sequence", "tool_calls"):
+        assert is_complete(sample(1, stop=stop).record)
+    for stop in ("length", "deadline", "rejected", "upstream_error", "client_disconnect", "unknown"):
+        assert not is_complete(sample(1, stop=stop).record)
+
+
+def test_a_response_without_a_token_count_counts_as_zero_tokens() -> None:
+    assert output_tokens(sample(1, tokens=None, stop="rejected").record) == 0
+
+
+def test_bootstrap_interval_of_identical_groups_is_zero() -> None:
+    interval = bootstrap_mean_difference([5.0] * 6, [5.0] * 6)
+    assert interval is not None
+    assert (interval.estimate, interval.low, interval.high) == (0.0, 0.0, 0.0)
+    assert not interval.excludes_zero()
+
+
+def test_bootstrap_interval_of_a_clear_drop_lies_below_zero_and_holds_the_estimate() -> None:
+    interval = bootstrap_mean_difference([100.0, 102.0, 98.0, 101.0], [50.0, 52.0, 49.0, 51.0])
+    assert interval is not None
+    assert interval.estimate == pytest.approx(-49.75)
+    assert interval.low <= interval.estimate <= interval.high < 0
+    assert interval.excludes_zero()
+
+
+def test_bootstrap_is_deterministic_for_a_seed() -> None:
+    a, b = [1.0, 5.0, 9.0, 3.0], [2.0, 8.0, 4.0]
+    assert bootstrap_mean_difference(a, b) == bootstrap_mean_difference(a, b)
+
+
+def test_bootstrap_of_an_empty_group_is_none() -> None:
+    assert bootstrap_mean_difference([], [1.0]) is None
+
+
+def test_level_summary_counts_stops_completion_and_telemetry() -> None:
+    samples = [
+        sample(4, 0, tokens=100, duration=1.0, kv_cache_usage_max=0.5, vram_free_min_bytes=3 * 2**30,
+               preemptions_during=0.0),
+        sample(4, 1, tokens=40, stop="length", length_cause="server_limit", duration=0.5,
+               kv_cache_usage_max=0.9, vram_free_min_bytes=2**30, preemptions_during=2.0),
+        sample(4, 2, tokens=None, stop="rejected", status=429, duration=0.01),
+        sample(4, 3, tokens=100, deadline_hit="total", client_disconnected=True, duration=2.0),
+        sample(4, 4, tokens=0, stop="upstream_error", upstream_error="oom", status=500),
+    ]
+    s = summarize_level(4, samples)
+    assert (s.n, s.complete, s.completion_rate) == (5, 2, 0.4)
+    assert s.stop_counts == {"eos": 2, "length:server_limit": 1, "rejected": 1, "upstream_error": 1}
+    assert (s.output_tokens_median, s.output_tokens_q1, s.output_tokens_q3) == (40, 0, 100)
+    assert s.output_tokens_mean == pytest.approx(48.0)
+    assert (s.deadline_hits, s.client_disconnects, s.server_errors) == (1, 1, 1)
+    assert (s.preempted_responses, s.preemptions_max) == (1, 2.0)
+    assert s.vram_free_min_bytes == 2**30 and s.kv_cache_usage_max == 0.9
+    assert s.requested_max_tokens == 200 and s.duration_max_s == 2.0
+    assert s.joined == 5
+
+
+def test_level_summary_says_none_where_no_response_carried_a_figure() -> None:
+    s = summarize_level(1, level(1, 3))
+    assert s.vram_free_min_bytes is None and s.kv_cache_usage_max is None
+    assert s.preempted_responses is None and s.preemptions_max is None
+
+
+def test_summaries_come_lowest_level_first() -> None:
+    samples = level(8, 2) + level(1, 2) + level(2, 2)
+    assert [s.level for s in summarize(samples)] == [1, 2, 8]
+    assert list(by_level(samples)) == [1, 2, 8]
+
+
+def test_summary_of_no_responses_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no responses"):
+        summarize_level(2, [])
