@@ -139,6 +139,7 @@ class _Exchange:
         self.observed = "none"
         self.ended_at: float | None = None
         self.notified_start = False
+        self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
 
     # --- request ----------------------------------------------------------------------------
     async def _request_body(self) -> bytes | AsyncIterator[bytes] | None:
@@ -292,6 +293,7 @@ class _Exchange:
 
     def _break_client_connection(self, response: web.StreamResponse) -> None:
         """End the client's connection without a clean end of body, as the upstream did."""
+        self.closed_by_us = True
         response.force_close()
         transport = self.request.transport
         if transport is not None:
@@ -334,7 +336,7 @@ class _Exchange:
         ended = self.ended_at if self.ended_at is not None else time.monotonic()
         record.duration_s = ended - self.started
         obs = self.observation
-        if not self.client_gone and self._client_connection_lost():
+        if not self.client_gone and not self.closed_by_us and self._client_connection_lost():
             self.client_gone = True
         self._notify_start()
         record.bytes_out = obs.bytes_out
@@ -411,7 +413,7 @@ class Deadlines:
             yield
             return
         self._offset = asyncio.get_running_loop().time() - time.monotonic()
-        timeout = asyncio.timeout(self._at(self.deadline_at))
+        timeout = asyncio.timeout_at(self._at(self.deadline_at))
         self._timeout = timeout
         try:
             async with timeout:
