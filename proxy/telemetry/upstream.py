@@ -1,0 +1,356 @@
+"""The upstream server's own view of its load: vLLM-style `/metrics` or Ollama's `/api/ps`.
+
+Parsing is pure (text or JSON in, `UpstreamState` out); the poller does the HTTP, keeps
+the states in a ring and re-exports them through the `llm_proxy_upstream_*` gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.metrics import ProxyMetrics
+from proxy.telemetry.samples import SampleRing
+
+_log = structlog.get_logger("llm_diag_proxy.telemetry")
+
+Kind = Literal["metrics", "ollama"]
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Where one server family keeps the figures we read; the first name present wins."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_cache_usage: tuple[str, ...]
+    preemptions: tuple[str, ...]
+
+
+# vLLM: v0 engine in vllm/engine/metrics.py, V1 in vllm/v1/metrics/loggers.py. V1 renamed
+# gpu_cache_usage_perc to kv_cache_usage_perc (0.9, old name deprecated); the preemption
+# Counter is `vllm:num_preemptions_total` (v0) / `vllm:num_preemptions` (V1), and
+# prometheus_client exposes both as the sample `vllm:num_preemptions_total`.
+# SGLang: python/sglang/srt/metrics/collector.py. llama.cpp: tools/server (`--metrics`);
+# recent builds dropped `kv_cache_usage_ratio`, so it may be absent.
+DIALECTS: dict[str, MetricNames] = {
+    "vllm": MetricNames(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        preemptions=("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    ),
+    "sglang": MetricNames(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_cache_usage=("sglang:token_usage",),
+        preemptions=(),
+    ),
+    "llamacpp": MetricNames(
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        kv_cache_usage=("llamacpp:kv_cache_usage_ratio",),
+        preemptions=(),
+    ),
+}
+_WANTED = frozenset(name for names in DIALECTS.values()
+                    for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions)
+                    for name in group)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """One model Ollama holds in memory (`/api/ps`)."""
+
+    name: str
+    size_bytes: int
+    vram_bytes: int
+    context_length: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamState:
+    """What the upstream said about itself at one moment; None where it does not say.
+
+    Across label sets (model_name, engine, ranks) counts are summed and the KV-cache
+    usage is the maximum, since an engine that is full is what queues requests.
+    """
+
+    source: str  # vllm | sglang | llamacpp | ollama
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    preemptions_total: float | None = None
+    models: tuple[LoadedModel, ...] = ()
+
+
+def _sample_lines(text: str) -> str:
+    """Only the sample lines of the metrics we read: vLLM's page is mostly histogram buckets."""
+    kept = []
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = len(line)
+        for stop in ("{", " "):
+            found = line.find(stop)
+            if found != -1:
+                end = min(end, found)
+        if line[:end] in _WANTED:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def parse_prometheus_state(text: str) -> UpstreamState | None:
+    """The state in a vLLM / SGLang / llama.cpp `/metrics` page; None if none of it is there.
+
+    Raises ValueError on a line the Prometheus text parser rejects.
+    """
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(_sample_lines(text)):
+        for sample in family.samples:
+            if sample.name in _WANTED and not math.isnan(sample.value):
+                values.setdefault(sample.name, []).append(float(sample.value))
+    for source, names in DIALECTS.items():
+        if not any(name in values for group in (names.running, names.waiting, names.kv_cache_usage,
+                                                names.preemptions) for name in group):
+            continue
+
+        def first(group: tuple[str, ...], combine: Callable[[list[float]], float]) -> float | None:
+            for name in group:
+                if name in values:
+                    return combine(values[name])
+            return None
+
+        return UpstreamState(
+            source=source,
+            running=first(names.running, sum),
+            waiting=first(names.waiting, sum),
+            kv_cache_usage=first(names.kv_cache_usage, max),
+            preemptions_total=first(names.preemptions, sum),
+        )
+    return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_ollama_ps(body: bytes) -> UpstreamState:
+    """The models in an Ollama `GET /api/ps` body (api/types.go, ProcessResponse).
+
+    `context_length` exists only in newer Ollama versions and is None where missing.
+    Raises ValueError when the body is not that shape.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+        raise ValueError("no 'models' list")
+    models = []
+    for item in data["models"]:
+        if not isinstance(item, dict):
+            raise ValueError("a 'models' entry is not an object")
+        name = item.get("name") or item.get("model")
+        size, vram = _int(item.get("size")), _int(item.get("size_vram"))
+        if not isinstance(name, str) or size is None or vram is None:
+            raise ValueError("a 'models' entry lacks name, size or size_vram")
+        models.append(LoadedModel(name, size, vram, _int(item.get("context_length"))))
+    return UpstreamState(source="ollama", models=tuple(models))
+
+
+class UpstreamSeries:
+    """Re-exports the newest state; a figure the upstream does not report reads NaN, not 0."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.m = metrics
+        self._models: set[str] = set()
+        self._up_source: str | None = None
+
+    def unknown(self) -> None:
+        m = self.m
+        for gauge in (m.upstream_running, m.upstream_waiting, m.upstream_kv_usage,
+                      m.upstream_preemptions, m.upstream_models_loaded):
+            gauge.set(math.nan)
+        self._set_models(())
+
+    def update(self, state: UpstreamState) -> None:
+        m = self.m
+        pairs = ((m.upstream_running, state.running), (m.upstream_waiting, state.waiting),
+                 (m.upstream_kv_usage, state.kv_cache_usage),
+                 (m.upstream_preemptions, state.preemptions_total))
+        for gauge, value in pairs:
+            gauge.set(math.nan if value is None else value)
+        if state.source == "ollama":
+            m.upstream_models_loaded.set(len(state.models))
+            self._set_models(state.models)
+        else:
+            m.upstream_models_loaded.set(math.nan)
+            self._set_models(())
+
+    def _set_models(self, models: tuple[LoadedModel, ...]) -> None:
+        largest = sorted(models, key=lambda x: -x.vram_bytes)[: self.m.max_models]
+        names = set()
+        for model in largest:
+            names.add(model.name)
+            self.m.upstream_model_vram.labels(model.name).set(model.vram_bytes)
+        for gone in self._models - names:
+            with contextlib.suppress(KeyError):
+                self.m.upstream_model_vram.remove(gone)
+        self._models = names
+
+    def up(self, source: str, value: int) -> None:
+        """Set `upstream_telemetry_up{source}`, keeping only the current source's series."""
+        if self._up_source is not None and self._up_source != source:
+            with contextlib.suppress(KeyError):
+                self.m.upstream_telemetry_up.remove(self._up_source)
+        self._up_source = source
+        self.m.upstream_telemetry_up.labels(source).set(value)
+
+
+class UpstreamFetchError(Exception):
+    """A poll that got no usable answer; `kind` is short and bounded, for log-once."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+class UpstreamPoller:
+    """Polls the upstream's own state every `interval_s` into `ring`.
+
+    `mode` auto detects once (vLLM-style `/metrics`, else Ollama `/api/ps`, else nothing,
+    said in one log line), re-detects every `redetect_s` while nothing was found, and after
+    `redetect_after` failed polls in a row. Failures are logged once per kind.
+    """
+
+    def __init__(self, upstream: str, mode: Literal["auto", "vllm", "ollama"], interval_s: float,
+                 metrics: ProxyMetrics, ring: SampleRing[UpstreamState], session: aiohttp.ClientSession,
+                 redetect_s: float = 30.0, redetect_after: int = 10,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.mode = mode
+        self.interval_s = interval_s
+        self.retry_s = max(interval_s, min(5.0, 5 * interval_s))
+        self.redetect_s = redetect_s
+        self.redetect_after = redetect_after
+        self.ring = ring
+        self.session = session
+        self.clock = clock
+        self.series = UpstreamSeries(metrics)
+        self.kind: Kind | None = "metrics" if mode == "vllm" else "ollama" if mode == "ollama" else None
+        self._logged: set[str] = set()
+        self._failures = 0
+        self._up = False
+
+    async def _get(self, path: str) -> bytes:
+        url = self.upstream + path
+        try:
+            async with self.session.get(url, allow_redirects=False) as resp:
+                body = await resp.content.read(MAX_BODY_BYTES + 1)
+                if resp.status != 200:
+                    raise UpstreamFetchError(f"http_{resp.status}", f"GET {path} answered {resp.status}")
+                if len(body) > MAX_BODY_BYTES:
+                    raise UpstreamFetchError("too_large", f"GET {path} body over {MAX_BODY_BYTES} bytes")
+                return body
+        except TimeoutError:
+            raise UpstreamFetchError("timeout", f"GET {path} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamFetchError("connect", f"GET {path}: {type(exc).__name__}: {exc}"[:300]) from None
+
+    async def fetch(self, kind: Kind) -> UpstreamState:
+        """One read of the upstream's state; raises UpstreamFetchError."""
+        if kind == "metrics":
+            body = await self._get("/metrics")
+            try:
+                state = parse_prometheus_state(body.decode("utf-8", errors="replace"))
+            except (ValueError, IndexError, KeyError) as exc:  # the text parser's ways of refusing
+                raise UpstreamFetchError("parse", f"/metrics: {exc}"[:300]) from None
+            if state is None:
+                raise UpstreamFetchError("unrecognized", "/metrics has no vllm:, sglang: or llamacpp: "
+                                                         "request/KV-cache metrics")
+            return state
+        body = await self._get("/api/ps")
+        try:
+            return parse_ollama_ps(body)
+        except ValueError as exc:
+            raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
+
+    async def detect(self) -> Kind | None:
+        """Which of the two the upstream serves: /metrics first (vLLM names), then /api/ps."""
+        reasons = []
+        kinds: tuple[Kind, ...] = ("metrics", "ollama")
+        for kind in kinds:
+            try:
+                state = await self.fetch(kind)
+            except UpstreamFetchError as exc:
+                reasons.append(str(exc))
+                continue
+            self.kind = kind
+            _log.info("upstream_telemetry_detected", source=state.source, upstream=self.upstream)
+            self._store(state)
+            return kind
+        self.series.up("auto", 0)
+        if "detect" not in self._logged:
+            self._logged.add("detect")
+            _log.warning("upstream_telemetry_unavailable", upstream=self.upstream, reason="; ".join(reasons),
+                         note=f"neither vLLM-style /metrics nor Ollama /api/ps answered; "
+                              f"trying again every {self.redetect_s:g} s")
+        return None
+
+    def _store(self, state: UpstreamState) -> None:
+        self.ring.append(self.clock(), state)
+        self.series.update(state)
+        self.series.up(state.source, 1)
+        if not self._up and self._failures:
+            _log.info("upstream_telemetry_recovered", source=state.source)
+        self._up = True
+        self._failures = 0
+
+    async def poll_once(self) -> bool:
+        """One poll of the known kind; True on success."""
+        assert self.kind is not None
+        try:
+            state = await self.fetch(self.kind)
+        except UpstreamFetchError as exc:
+            self._failures += 1
+            self._up = False
+            self.series.unknown()
+            self.series.up("ollama" if self.kind == "ollama" else self._metrics_source(), 0)
+            if exc.kind not in self._logged:
+                self._logged.add(exc.kind)
+                _log.warning("upstream_telemetry_error", upstream=self.upstream, error=exc.kind,
+                             detail=str(exc))
+            if self.mode == "auto" and self._failures >= self.redetect_after:
+                self.kind = None
+            return False
+        self._store(state)
+        return True
+
+    def _metrics_source(self) -> str:
+        latest = self.ring.latest()
+        if latest is not None and latest[1].source != "ollama":
+            return latest[1].source
+        return "vllm"
+
+    async def run(self) -> None:
+        self.series.unknown()
+        while True:
+            if self.kind is None:
+                if await self.detect() is None:
+                    await asyncio.sleep(self.redetect_s)
+                    continue
+                await asyncio.sleep(self.interval_s)
+            ok = await self.poll_once()
+            await asyncio.sleep(self.interval_s if ok else self.retry_s)
