@@ -1,0 +1,262 @@
+"""The sweep's load client: closed-loop streaming requests at each concurrency level.
+
+At level L the sweep keeps exactly L requests in flight: L slots each send a request, and
+each finished one is replaced at once, until L x repeats requests have been sent (so `repeats`
+is the number of requests per slot). Only the last requests of a level run with fewer in
+flight; the proxy's `concurrency_mean` in each record shows what every response really saw.
+Every request is the same body: prompt, budget, seed, temperature; only concurrency changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+from proxy.classify import WireFacts, classify
+from proxy.observation import StreamObservation
+from proxy.parsers import parser_for
+from proxy.record import ResponseRecord, UpstreamErrorKind
+from proxy.sweep.sample import ClientMeasure, Sample
+
+SweepDialect = Literal["openai", "ollama"]
+PATHS: dict[str, str] = {"openai": "/v1/chat/completions", "ollama": "/api/chat"}
+MAX_LINE_BYTES = 4 * 1024 * 1024
+BODY_CAP_BYTES = 32 * 1024 * 1024
+PROBE_TIMEOUT_S = 5.0
+JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
+JOIN_RETRY_S = 0.05
+RECORD_FIELDS = frozenset(f.name for f in fields(ResponseRecord))
+
+
+class SweepError(Exception):
+    """The sweep cannot go on (target or admin unreachable); shown as one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPlan:
+    """What to send, where, and at which levels."""
+
+    target: str
+    levels: tuple[int, ...]
+    repeats: int
+    prompt: str
+    max_tokens: int
+    seed: int
+    model: str
+    dialect: SweepDialect = "openai"
+    temperature: float = 0.0
+    timeout_s: float = 120.0
+    admin: str | None = None
+    admin_token: str | None = None
+    warmup: int = 1
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.dialect]
+
+    @property
+    def total(self) -> int:
+        return sum(level * self.repeats for level in self.levels)
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = {f.name: getattr(self, f.name) for f in fields(self)}
+        plan["admin_token"] = "(set)" if self.admin_token else None
+        return plan
+
+
+def request_body(plan: SweepPlan) -> bytes:
+    """The one request body every response of the sweep answers."""
+    messages = [{"role": "user", "content": plan.prompt}]
+    body: dict[str, Any]
+    if plan.dialect == "ollama":
+        body = {"model": plan.model, "messages": messages, "stream": True,
+                "options": {"num_predict": plan.max_tokens, "seed": plan.seed,
+                            "temperature": plan.temperature}}
+    else:
+        body = {"model": plan.model, "messages": messages, "max_tokens": plan.max_tokens,
+                "seed": plan.seed, "temperature": plan.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+    return orjson.dumps(body)
+
+
+def client_record(plan: SweepPlan, request_id: str, started_at: float, status: int | None,
+                  observation: StreamObservation | None, duration_s: float, in_flight: int, *,
+                  client_gone: bool = False, connect_error: UpstreamErrorKind | None = None,
+                  reset: bool = False, detail: str | None = None) -> ResponseRecord:
+    """The record the client can build on its own, classified by the proxy's own rules."""
+    obs = observation
+    usage_tokens = obs.usage.completion_tokens if obs is not None and obs.usage is not None else None
+    tokens = usage_tokens if usage_tokens is not None else (obs.tokens if obs is not None else None)
+    facts = WireFacts(
+        dialect=plan.dialect, inference=True, status=status, connect_error=connect_error,
+        error_detail=detail, upstream_reset=reset, client_disconnected=client_gone,
+        finish=obs.finish if obs else None, error=obs.error if obs else None,
+        done=obs.done if obs else False, parse_failed=bool(obs and obs.parse_errors),
+        output_tokens=tokens, requested_max_tokens=plan.max_tokens)
+    verdict = classify(facts)
+    itl_mean, itl_p95, itl_max = obs.itl_stats() if obs is not None else (None, None, None)
+    first = obs.first_token_at if obs is not None else None
+    return ResponseRecord(
+        request_id=request_id, method="POST", path=plan.path, route=plan.path, dialect=plan.dialect,
+        started_at=started_at, model=plan.model, stream=True, status=status,
+        requested_max_tokens=plan.max_tokens, output_tokens=tokens,
+        tokens_source="usage" if usage_tokens is not None else ("counted" if obs is not None else "none"),
+        prompt_tokens=obs.usage.prompt_tokens if obs is not None and obs.usage is not None else None,
+        stop_reason=verdict.stop_reason,
+        finish_reason_raw=obs.finish.reason if obs is not None and obs.finish is not None else None,
+        length_cause=verdict.length_cause, concurrency_at_start=in_flight, concurrency_peak=in_flight,
+        concurrency_mean=float(in_flight), ttft_s=first, itl_mean_s=itl_mean, itl_p95_s=itl_p95,
+        itl_max_s=itl_max, duration_s=duration_s, client_disconnected=client_gone,
+        disconnect_phase=(("mid_stream" if first is not None else "before_first_token")
+                          if client_gone else None),
+        upstream_error=verdict.upstream_error, upstream_error_detail=verdict.upstream_error_detail,
+        parse_error=bool(obs and obs.parse_errors), parse_error_detail=obs.parse_error if obs else None,
+        bytes_out=obs.bytes_out if obs is not None else 0, seed=plan.seed, temperature=plan.temperature)
+
+
+async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, request_id: str,
+                   level: int, index: int, in_flight: int) -> Sample:
+    """Send one streaming request and measure it from the client's side; never raises."""
+    started_at = time.time()
+    t0 = time.monotonic()
+    status: int | None = None
+    observation: StreamObservation | None = None
+    error: str | None = None
+    flags: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(plan.timeout_s or None):
+            async with session.post(plan.target + plan.path, data=body, headers={
+                    "Content-Type": "application/json", "X-Request-Id": request_id}) as response:
+                status = response.status
+                # aiohttp has already undone any Content-Encoding, so the parser sees plain bytes.
+                observation = StreamObservation(parser_for(
+                    plan.dialect, response.headers.get("Content-Type", ""), "",
+                    max_line=MAX_LINE_BYTES, body_cap=BODY_CAP_BYTES))
+                async for chunk in response.content.iter_any():
+                    observation.feed(chunk, time.monotonic() - t0)
+                observation.close(time.monotonic() - t0)
+    except TimeoutError:
+        error = f"no complete response within --timeout {plan.timeout_s:g}s; the client gave up"
+        flags["client_gone"] = True
+    except aiohttp.ClientConnectorError as exc:
+        error = f"cannot connect: {exc}"
+        flags["connect_error"] = "connect"
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        error = f"connection broke: {type(exc).__name__}: {exc}"[:300]
+        flags["reset"] = True
+    except aiohttp.ClientError as exc:
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        flags["reset"] = True
+    duration = time.monotonic() - t0
+    record = client_record(plan, request_id, started_at, status, observation, duration, in_flight,
+                           detail=error, **flags)
+    measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
+                            itl_p95_s=record.itl_p95_s, chunks=observation.tokens if observation else 0,
+                            duration_s=duration, in_flight_at_start=in_flight, error=error)
+    return Sample(level, index, request_id, record, "client", measure)
+
+
+async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int, run_id: str,
+                    on_done: Callable[[], None] = lambda: None) -> list[Sample]:
+    """Closed loop at one level: `level` slots, each replacing its finished request at once."""
+    body = request_body(plan)
+    total = level * plan.repeats
+    counter = itertools.count()
+    samples: list[Sample] = []
+    in_flight = 0
+
+    async def slot() -> None:
+        nonlocal in_flight
+        while (index := next(counter)) < total:
+            in_flight += 1
+            request_id = f"sweep-{run_id}-c{level}-{index:04d}"
+            sample = await send_one(session, plan, body, request_id, level, index, in_flight)
+            in_flight -= 1
+            samples.append(sample)
+            on_done()
+
+    await asyncio.gather(*(slot() for _ in range(level)))
+    samples.sort(key=lambda s: s.index)
+    return samples
+
+
+async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples: list[Sample]) -> None:
+    """Replace each client-built record by the proxy's own (`GET {admin}/api/requests/{id}`)."""
+    if plan.admin is None:
+        return
+    headers = {"Authorization": f"Bearer {plan.admin_token}"} if plan.admin_token else {}
+    limit = asyncio.Semaphore(16)
+
+    async def join(sample: Sample) -> None:
+        async with limit:
+            deadline = time.monotonic() + JOIN_WAIT_S
+            while True:
+                try:
+                    async with session.get(f"{plan.admin}/api/requests/{sample.request_id}",
+                                           headers=headers) as response:
+                        if response.status == 200:
+                            data = await response.json(loads=orjson.loads)
+                            sample.record = ResponseRecord(
+                                **{k: v for k, v in data.items() if k in RECORD_FIELDS})
+                            sample.record_source = "proxy"
+                            return
+                        note = f"admin API answered HTTP {response.status}"
+                        if response.status != 404:
+                            sample.join_note = note
+                            return
+                except (aiohttp.ClientError, TimeoutError, TypeError, ValueError) as exc:
+                    sample.join_note = f"cannot read the proxy's record: {type(exc).__name__}: {exc}"[:300]
+                    return
+                if time.monotonic() >= deadline:
+                    sample.join_note = "the proxy has no record of this request id (client-side record used)"
+                    return
+                await asyncio.sleep(JOIN_RETRY_S)
+
+    await asyncio.gather(*(join(s) for s in samples))
+
+
+async def probe(session: aiohttp.ClientSession, url: str, what: str, headers: dict[str, str]) -> None:
+    """Fail early with one line when a URL cannot be reached at all (any HTTP answer is fine)."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            async with session.get(url, headers=headers) as response:
+                await response.read()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise SweepError(f"cannot reach the {what} at {url}: {reason}") from None
+
+
+async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = lambda level: None,
+                    on_done: Callable[[], None] = lambda: None,
+                    on_level_done: Callable[[int, int, float], None] = lambda level, n, s: None,
+                    ) -> list[Sample]:
+    """Every level in order, after `warmup` unrecorded requests (a model load must not count)."""
+    run_id = uuid.uuid4().hex[:8]
+    connector = aiohttp.TCPConnector(limit=max(plan.levels), force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await probe(session, plan.target + "/", "target", {})
+        if plan.admin is not None:
+            await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
+        body = request_body(plan)
+        for number in range(plan.warmup):
+            warm = await send_one(session, plan, body, f"sweep-{run_id}-warmup-{number}", 0, number, 1)
+            if warm.record.upstream_error == "connect":
+                raise SweepError(f"cannot reach the target at {plan.target}: {warm.client.error}")
+        samples: list[Sample] = []
+        for level in plan.levels:
+            on_level_start(level)
+            t0 = time.monotonic()
+            level_samples = await run_level(session, plan, level, run_id, on_done)
+            await join_records(session, plan, level_samples)
+            on_level_done(level, len(level_samples), time.monotonic() - t0)
+            samples.extend(level_samples)
+        return samples

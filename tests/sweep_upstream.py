@@ -1,0 +1,81 @@
+"""A load-aware upstream for the sweep's tests: a real aiohttp server on loopback whose answers
+depend on how many requests are in flight (the effect a sweep exists to find)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.wire import ollama_stream, openai_stream
+
+Answer = Callable[[int], tuple[int, str]]  # in-flight count -> (tokens, finish reason)
+
+
+@dataclass
+class LoadUpstream:
+    """A tiny OpenAI/Ollama server: each answer's length and finish depend on how many are in flight."""
+
+    answer: Answer = lambda in_flight: (6, "stop")
+    token_delay: float = 0.002
+    reject_above: int | None = None
+    in_flight: int = 0
+    peak: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/api/chat", self._handle)
+        app.router.add_get("/", self._root)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+
+    async def _root(self, request: web.Request) -> web.Response:
+        return web.Response(text="up")
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.read())
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            if self.reject_above is not None and self.in_flight > self.reject_above:
+                return web.json_response({"error": {"message": "server busy", "type": "overloaded"}},
+                                         status=429)
+            tokens, finish = self.answer(self.in_flight)
+            ollama = request.path == "/api/chat"
+            chunks = ollama_stream(tokens, finish) if ollama else openai_stream(tokens, finish)
+            response = web.StreamResponse(headers={
+                "Content-Type": "application/x-ndjson" if ollama else "text/event-stream"})
+            await response.prepare(request)
+            for chunk in chunks:
+                await asyncio.sleep(self.token_delay)
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            self.in_flight -= 1
+
+
+@contextlib.asynccontextmanager
+async def running_load() -> AsyncIterator[LoadUpstream]:
+    """A started LoadUpstream, closed on exit."""
+    server = LoadUpstream()
+    await server.start()
+    try:
+        yield server
+    finally:
+        assert server.server is not None
+        await server.server.close()
