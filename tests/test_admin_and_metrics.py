@@ -1,0 +1,149 @@
+"""Concurrency tags under parallel load, the metrics exposed, and the record API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.app import RunningProxy
+from tests.conftest import ProxyFactory
+from tests.scripted_upstream import Script, ScriptedUpstream
+from tests.test_stop_reasons import CHAT, CHAT_URL, record_for
+from tests.wire import JSON_HEADERS, openai_stream
+
+
+async def test_concurrency_tags_under_parallel_requests(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                                        client: aiohttp.ClientSession) -> None:
+    n = 6
+    upstream.push(*[Script(openai_stream(10), delay=0.03) for _ in range(n)])
+
+    async def one(i: int) -> str:
+        async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": f"par-{i}"}) as r:
+            await r.read()
+            return r.headers["X-LLM-Diag-Concurrency"]
+
+    admitted = await asyncio.gather(*(one(i) for i in range(n)))
+    assert sorted(int(a) for a in admitted) == list(range(1, n + 1))
+    records = [await record_for(proxy, f"par-{i}") for i in range(n)]
+    assert all(r.concurrency_peak == n for r in records)
+    assert all(1 <= r.concurrency_mean <= n for r in records)
+    assert max(r.concurrency_mean for r in records) > n - 1
+    assert proxy.concurrency.in_flight == 0
+
+
+async def metrics_text(client: aiohttp.ClientSession, proxy: RunningProxy) -> str:
+    async with client.get(proxy.admin_url + "/metrics") as response:
+        assert response.status == 200
+        return (await response.read()).decode()
+
+
+async def test_metrics_carry_stop_reason_concurrency_and_truncation(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    upstream.push(Script(openai_stream(10, "length"), delay=0.005), Script(openai_stream(3), delay=0.005))
+    for _ in range(2):
+        async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT) as response:
+            await response.read()
+    await asyncio.sleep(0.05)
+    text = await metrics_text(client, proxy)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    key = ("llm_proxy_requests_total", (("concurrency", "1"), ("model", "m"), ("route", CHAT_URL),
+                                        ("stop_reason", "length")))
+    assert samples[key] == 1
+    assert samples[("llm_proxy_truncated_total", (("cause", "server_limit"), ("model", "m")))] == 1
+    assert samples[("llm_proxy_in_flight", ())] == 0
+    for name in ("llm_proxy_output_tokens_bucket", "llm_proxy_requested_max_tokens_bucket",
+                 "llm_proxy_time_to_first_token_seconds_bucket", "llm_proxy_inter_token_latency_seconds_bucket",
+                 "llm_proxy_request_duration_seconds_bucket"):
+        assert any(n == name for n, _ in samples), name
+
+
+async def test_model_labels_are_capped(upstream: ScriptedUpstream, make_proxy: ProxyFactory,
+                                       client: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(upstream.url, max_models=2)
+    for i in range(4):
+        upstream.push(Script(openai_stream(1)))
+        async with client.post(proxy.proxy_url + CHAT_URL, json={**CHAT, "model": f"m{i}"}) as response:
+            await response.read()
+    await asyncio.sleep(0.05)
+    text = await metrics_text(client, proxy)
+    assert 'model="m0"' in text and 'model="m1"' in text and 'model="other"' in text
+    assert 'model="m3"' not in text
+
+
+async def test_request_api_lists_newest_first_with_filters(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                                           client: aiohttp.ClientSession) -> None:
+    upstream.push(Script(openai_stream(2)), Script(openai_stream(2, "length")), Script(openai_stream(2)))
+    for i in range(3):
+        async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": f"api-{i}"}) as r:
+            await r.read()
+    await record_for(proxy, "api-2")
+    async with client.get(proxy.admin_url + "/api/requests") as response:
+        listing = orjson.loads(await response.read())
+    assert [r["request_id"] for r in listing["records"]] == ["api-2", "api-1", "api-0"]
+    async with client.get(proxy.admin_url + "/api/requests?stop_reason=length&limit=5") as response:
+        assert [r["request_id"] for r in orjson.loads(await response.read())["records"]] == ["api-1"]
+    async with client.get(proxy.admin_url + "/api/requests/api-0") as response:
+        assert orjson.loads(await response.read())["stop_reason"] == "eos"
+    async with client.get(proxy.admin_url + "/api/requests/nope") as response:
+        assert response.status == 404 and "error" in orjson.loads(await response.read())
+    async with client.get(proxy.admin_url + "/api/requests?stop_reason=bogus") as response:
+        assert response.status == 400
+    async with client.get(proxy.admin_url + "/api/requests?limit=0") as response:
+        assert response.status == 400
+
+
+async def test_ring_stays_at_its_bound(upstream: ScriptedUpstream, make_proxy: ProxyFactory,
+                                       client: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(upstream.url, ring_size=3)
+    for i in range(5):
+        async with client.get(proxy.proxy_url + "/v1/models", headers={"X-Request-Id": f"r{i}"}) as response:
+            await response.read()
+    await record_for(proxy, "r4")
+    assert len(proxy.store) == 3 and proxy.store.get("r0") is None and proxy.store.total == 5
+
+
+async def test_admin_token_guards_the_record_api_but_not_metrics(upstream: ScriptedUpstream,
+                                                                 make_proxy: ProxyFactory,
+                                                                 client: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(upstream.url, admin_token="s3cret")
+    async with client.get(proxy.admin_url + "/api/requests") as response:
+        assert response.status == 401
+    async with client.get(proxy.admin_url + "/api/requests", headers={"Authorization": "Bearer s3cret"}) as r:
+        assert r.status == 200
+    async with client.get(proxy.admin_url + "/metrics") as response:
+        assert response.status == 200
+
+
+async def test_health_and_readiness(upstream: ScriptedUpstream, proxy: RunningProxy, make_proxy: ProxyFactory,
+                                    client: aiohttp.ClientSession) -> None:
+    async with client.get(proxy.admin_url + "/healthz") as response:
+        assert response.status == 200
+    async with client.get(proxy.admin_url + "/readyz") as response:
+        assert response.status == 200
+    down = await make_proxy("http://127.0.0.1:9")
+    async with client.get(down.admin_url + "/readyz") as response:
+        body = orjson.loads(await response.read())
+        assert response.status == 503 and body["status"] == "not_ready" and "127.0.0.1:9" in body["detail"]
+
+
+async def test_upstream_metrics_endpoint_stays_reachable_through_the_proxy_port(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    text = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+    upstream.push(Script([text], headers={"Content-Type": "text/plain; version=0.0.4"}, content_length=True))
+    async with client.get(proxy.proxy_url + "/metrics") as response:
+        assert await response.read() == text
+
+
+async def test_proxy_adds_only_its_two_headers(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                               client: aiohttp.ClientSession) -> None:
+    headers = {**JSON_HEADERS, "X-Upstream": "1", "Server": "vllm", "Date": "Wed, 02 Dec 2026 10:00:00 GMT"}
+    upstream.push(Script([b"{}"], headers=headers, content_length=True))
+    async with client.get(proxy.proxy_url + "/v1/models") as response:
+        await response.read()
+        names = {k.lower() for k in response.headers}
+    assert names == {"content-type", "x-upstream", "server", "date", "content-length", "x-request-id",
+                     "x-llm-diag-concurrency"}

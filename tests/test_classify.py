@@ -1,0 +1,127 @@
+"""The classification rules, one by one, and their precedence."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from proxy.classify import WireFacts, classify, finish_stop_reason, is_oom, length_cause
+from proxy.concurrency import InFlightTracker
+from proxy.events import ErrorEvent, Finish
+from proxy.metrics import concurrency_bucket
+
+BASE = WireFacts(dialect="openai", inference=True, status=200, finish=Finish("stop"), done=True)
+
+
+@pytest.mark.parametrize(("dialect", "raw", "detail", "expected"), [
+    ("openai", "stop", None, "eos"),
+    ("openai", "stop", "###", "stop_sequence"),
+    ("openai", "stop", "128009", "stop_sequence"),
+    ("openai", "length", None, "length"),
+    ("openai", "tool_calls", None, "tool_calls"),
+    ("openai", "function_call", None, "tool_calls"),
+    ("openai", "content_filter", None, "content_filter"),
+    ("openai", "weird", None, "unknown"),
+    ("ollama", "stop", None, "eos"),
+    ("ollama", "length", None, "length"),
+    ("ollama", "load", None, "not_inference"),
+    ("ollama", "unload", None, "not_inference"),
+    ("llamacpp", "eos", None, "eos"),
+    ("llamacpp", "word", "</s>", "stop_sequence"),
+    ("llamacpp", "limit", None, "length"),
+])
+def test_finish_values_map_to_stop_reasons(dialect: str, raw: str, detail: str | None, expected: str) -> None:
+    assert finish_stop_reason(dialect, Finish(raw, 0, detail)) == expected
+
+
+def test_length_stop_below_requested_budget_is_server_limit() -> None:
+    assert length_cause(10, 64, None) == "server_limit"
+
+
+def test_length_stop_at_requested_budget_is_requested_budget() -> None:
+    assert length_cause(64, 64, None) == "requested_budget"
+
+
+def test_length_stop_with_no_budget_asked_is_server_limit() -> None:
+    assert length_cause(500, None, None) == "server_limit"
+
+
+def test_length_cause_unknown_without_a_token_count() -> None:
+    assert length_cause(None, 64, None) == "unknown"
+
+
+def test_length_cause_divides_tokens_between_choices() -> None:
+    assert length_cause(128, 64, 2) == "requested_budget"
+    assert length_cause(100, 64, 2) == "server_limit"
+
+
+@pytest.mark.parametrize("text", ["CUDA out of memory", "OOM while allocating", "cudaMalloc failed",
+                                  "failed to allocate KV cache", "insufficient memory for model"])
+def test_oom_texts(text: str) -> None:
+    assert is_oom(text)
+
+
+def test_not_every_error_is_oom() -> None:
+    assert not is_oom("room temperature") and not is_oom("bad request")
+
+
+PRECEDENCE = [
+    (dict(connect_error="connect", enforced="total", client_disconnected=True, status=None), "upstream_error"),
+    (dict(enforced="total", client_disconnected=True), "deadline"),
+    (dict(enforced="idle", client_disconnected=True), "idle_timeout"),
+    (dict(client_disconnected=True, status=429), "client_disconnect"),
+    (dict(status=429), "rejected"),
+    (dict(status=503), "rejected"),
+    (dict(status=500), "upstream_error"),
+    (dict(inference=False, error=ErrorEvent("x")), "not_inference"),
+    (dict(error=ErrorEvent("boom"), upstream_reset=True), "upstream_error"),
+    (dict(upstream_reset=True, finish=None, done=False), "upstream_disconnect"),
+    (dict(finish=None, done=False), "upstream_disconnect"),
+    (dict(finish=None, done=True), "unknown"),
+    (dict(finish=None, done=False, parse_failed=True), "unknown"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), PRECEDENCE)
+def test_precedence_of_causes(overrides: dict[str, object], expected: str) -> None:
+    assert classify(replace(BASE, **overrides)).stop_reason == expected  # type: ignore[arg-type]
+
+
+def test_upstream_error_kinds() -> None:
+    assert classify(replace(BASE, status=500, error=ErrorEvent("CUDA out of memory"))).upstream_error == "oom"
+    assert classify(replace(BASE, status=500)).upstream_error == "http_status"
+    assert classify(replace(BASE, error=ErrorEvent("dead"))).upstream_error == "error_event"
+    assert classify(replace(BASE, upstream_reset=True, finish=None)).upstream_error == "reset"
+    assert classify(replace(BASE, finish=Finish("abort"))).upstream_error == "abort"
+
+
+@pytest.mark.parametrize(("value", "bucket"), [
+    (0, "1"), (1, "1"), (2, "2"), (3, "4"), (4, "4"), (5, "8"), (9, "16"), (33, "64"), (64, "64"),
+    (65, "128+"), (1000, "128+")])
+def test_concurrency_buckets_are_the_next_power_of_two(value: int, bucket: str) -> None:
+    assert concurrency_bucket(value) == bucket
+
+
+def test_time_weighted_mean_concurrency() -> None:
+    now = [0.0]
+    tracker = InFlightTracker(clock=lambda: now[0])
+    a = tracker.admit()
+    now[0] = 1.0
+    b = tracker.admit()  # a alone for 1 s, then both for 1 s
+    now[0] = 2.0
+    assert tracker.release(b) == (2, 2.0)
+    assert tracker.release(a) == (2, 1.5)
+    assert tracker.in_flight == 0
+
+
+def test_peak_counts_requests_admitted_later() -> None:
+    now = [0.0]
+    tracker = InFlightTracker(clock=lambda: now[0])
+    first = tracker.admit()
+    others = [tracker.admit() for _ in range(4)]
+    for slot in others:
+        tracker.release(slot)
+    now[0] = 1.0
+    peak, _ = tracker.release(first)
+    assert first.at_start == 1 and peak == 5
