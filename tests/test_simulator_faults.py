@@ -148,7 +148,8 @@ async def test_error_after_sends_vllms_error_event_then_done(sim: RunningSimulat
 
 
 async def test_error_after_raises_in_the_ollama_client(sim: RunningSimulator) -> None:
-    client = ollama.AsyncClient(host=sim.url, headers={"X-Sim-Fault": "error_after=2:llama runner process has terminated"})
+    fault = {"X-Sim-Fault": "error_after=2:llama runner process has terminated"}
+    client = ollama.AsyncClient(host=sim.url, headers=fault)
     parts = []
     with pytest.raises(ollama.ResponseError, match="runner process has terminated"):
         async for part in await client.chat(model="sim-7b", messages=MESSAGES, stream=True):
