@@ -160,11 +160,13 @@ def panels() -> list[dict[str, Any]]:
               [(f"sum by (phase) (increase(llm_proxy_client_disconnects_total{{{INST}}}{W}))", "disconnect {{phase}}"),
                (f"sum by (kind, mode) (increase(llm_proxy_deadline_hits_total{{{INST}}}{W}))",
                 "deadline {{kind}} ({{mode}})")]),
-        panel("timeseries", "Upstream errors by kind", "Upstream failures per interval by kind (http_status "
-              "includes 429/503 rejections; oom: out of memory) and responses the parser could not fully "
-              "read. Records: /api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
+        panel("timeseries", "Upstream errors and rejections", "Upstream failures per interval by kind (oom: "
+              "out of memory; http_status: an HTTP error other than 429/503), requests the server refused "
+              "(429/503: load shedding) and responses the parser could not fully read. Records: "
+              "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
               (12, 49, 12, 8),
               [(f"sum by (kind) (increase(llm_proxy_upstream_errors_total{{{INST}}}{W}))", "{{kind}}"),
+               (f'sum(increase(llm_proxy_requests_total{{{IM},stop_reason="rejected"}}{W}))', "rejected (429/503)"),
                (f"sum by (dialect) (increase(llm_proxy_parse_errors_total{{{INST}}}{W}))", "parse error {{dialect}}")]),
         {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 57, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (

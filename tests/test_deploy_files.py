@@ -1,0 +1,406 @@
+"""The deployment files: valid, consistent with each other, and naming only what the proxy exports.
+
+Needs no Docker engine and no Prometheus: `docker compose config` runs where a compose binary exists;
+the real-Prometheus checks are in test_deploy_promtool.py and test_deploy_prometheus.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from proxy.metrics import ProxyMetrics
+from tests.conftest import ProxyFactory
+from tests.scripted_upstream import ScriptedUpstream
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+RULES_DIR = ROOT / "deploy/prometheus/rules"
+K8S = ROOT / "deploy/k8s"
+DASHBOARD = ROOT / "grafana/dashboards/llm-diag-proxy.json"
+PROMTOOL_TESTS = ROOT / "tests/promtool"
+# Names in PromQL that are ours: the proxy's metrics, recording rules (level:metric:operation), `up`.
+NAME_IN_PROMQL = re.compile(r"(?<![\w:])(llm_proxy_\w+|[a-z_]+:[a-z0-9_]+:[a-z0-9_]+|up)(?![\w:])")
+
+
+def load_script(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = load_script(ROOT / "deploy/render.py")
+healthcheck = load_script(ROOT / "deploy/healthcheck.py")
+
+
+def yaml_docs(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def rules() -> list[dict[str, Any]]:
+    return [rule for group in render.rule_groups() for rule in group["rules"]]
+
+
+def alerts() -> list[dict[str, Any]]:
+    return [rule for rule in rules() if "alert" in rule]
+
+
+def exported_names() -> set[str]:
+    """The series names the proxy's registry exposes: counters with _total, histograms with their parts."""
+    metrics = ProxyMetrics(CollectorRegistry())
+    names: set[str] = set()
+    for family in metrics.registry.collect():
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        elif family.type == "histogram":
+            names.update(f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(family.name)
+    return names
+
+
+def names_in(expr: str) -> set[str]:
+    return set(NAME_IN_PROMQL.findall(expr))
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def default_of(value: str) -> str:
+    """`${VAR:-default}` interpolated with VAR unset, as compose does."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+# --- every file parses --------------------------------------------------------------------------
+
+DEPLOY_YAML = sorted([COMPOSE, *ROOT.glob("deploy/**/*.yml"), *ROOT.glob("deploy/**/*.yaml"),
+                      *ROOT.glob("grafana/**/*.yml"), *PROMTOOL_TESTS.glob("*.yml")])
+
+
+@pytest.mark.parametrize("path", DEPLOY_YAML, ids=lambda p: str(p.relative_to(ROOT)))
+def test_deployment_yaml_file_parses(path: Path) -> None:
+    assert yaml_docs(path), f"{path} is empty"
+
+
+def test_dashboard_json_parses_and_has_unique_panel_ids() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids))
+    assert board["uid"] == render.DASHBOARD_UID
+
+
+# --- one source of truth ------------------------------------------------------------------------
+
+def test_rendered_dashboard_and_prometheusrule_are_up_to_date() -> None:
+    for path, text in render.rendered().items():
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python deploy/render.py"
+
+
+def test_prometheusrule_holds_exactly_the_groups_of_the_prometheus_rule_files() -> None:
+    (manifest,) = yaml_docs(K8S / "prometheusrule.yaml")
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["spec"]["groups"] == render.rule_groups()
+
+
+def test_prometheus_config_loads_every_rule_file() -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert sorted(config["rule_files"]) == sorted(f"rules/{p.name}" for p in RULES_DIR.glob("*.yml"))
+
+
+# --- names: only what the proxy exports ---------------------------------------------------------
+
+def test_dashboard_and_rules_name_only_metrics_the_proxy_exports_or_rules_record() -> None:
+    exported = exported_names()
+    recorded = {rule["record"] for rule in rules() if "record" in rule}
+    expressions = [expr for _, expr in render.dashboard_expressions(render.dashboard())]
+    expressions += [rule["expr"] for rule in rules()]
+    expressions += [v["query"]["query"] for v in render.dashboard()["templating"]["list"] if v["type"] == "query"]
+    unknown = {name for expr in expressions for name in names_in(expr)} - exported - recorded - {"up"}
+    assert not unknown, f"not exported by proxy/metrics.py nor recorded: {sorted(unknown)}"
+
+
+def test_recording_rule_names_follow_level_metric_operation() -> None:
+    for rule in rules():
+        if "record" in rule:
+            level, metric, operation = rule["record"].split(":")
+            assert metric.startswith("llm_proxy_") and level and operation
+
+
+def test_every_stop_reason_filter_in_the_rules_is_a_real_stop_reason() -> None:
+    from proxy.record import STOP_REASONS
+
+    texts = [rule["expr"] for rule in rules()] + [a["annotations"]["description"] for a in alerts()]
+    texts += [expr for _, expr in render.dashboard_expressions(render.dashboard())]
+    for text in texts:
+        for match in re.findall(r'stop_reason[!=]~?"([^"]+)"', text) + re.findall(r"stop_reason=(\w+)", text):
+            for reason in match.split("|"):
+                assert reason in STOP_REASONS, f"{reason!r} in {text[:80]!r}"
+
+
+# --- alerts: actionable and unit-tested ----------------------------------------------------------
+
+def test_every_alert_has_a_severity_summary_and_description() -> None:
+    for alert in alerts():
+        assert alert["labels"]["severity"] in ("critical", "warning", "info"), alert["alert"]
+        assert alert["annotations"]["summary"].strip(), alert["alert"]
+        assert len(alert["annotations"]["description"]) > 80, alert["alert"]
+
+
+def test_every_panel_an_alert_points_to_exists_on_the_dashboard() -> None:
+    titles = {panel["title"] for panel in render.dashboard()["panels"]}
+    for alert in alerts():
+        # Every quoted phrase of a description is a panel title.
+        panels = set(re.findall(r'"([^"]+)"', alert["annotations"]["description"]))
+        assert panels, f"{alert['alert']} names no dashboard panel"
+        assert panels <= titles, f"{alert['alert']}: no such panels {panels - titles}"
+
+
+def test_every_alert_has_promtool_tests_that_fire_and_that_do_not() -> None:
+    fires: dict[str, int] = {}
+    stays_quiet: dict[str, int] = {}
+    for path in PROMTOOL_TESTS.glob("*.yml"):
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                counts = fires if check.get("exp_alerts") else stays_quiet
+                counts[check["alertname"]] = counts.get(check["alertname"], 0) + 1
+    for alert in alerts():
+        assert fires.get(alert["alert"]), f"no promtool test where {alert['alert']} fires"
+        assert stays_quiet.get(alert["alert"]), f"no promtool test where {alert['alert']} stays quiet"
+
+
+# --- the dashboard ------------------------------------------------------------------------------
+
+def test_dashboard_has_datasource_instance_and_model_variables_used_by_its_queries() -> None:
+    board = render.dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert set(variables) == {"datasource", "instance", "model"}
+    expressions = [expr for _, expr in render.dashboard_expressions(board)]
+    assert all('instance=~"$instance"' in expr for expr in expressions if "llm_proxy_" in expr)
+    assert sum('model=~"$model"' in expr for expr in expressions) >= 8
+
+
+def test_dashboard_panels_do_not_overlap() -> None:
+    taken: set[tuple[int, int]] = set()
+    for panel in render.dashboard()["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                 for y in range(grid["y"], grid["y"] + grid["h"])}
+        assert not cells & taken, f"panel {panel['title']!r} overlaps another"
+        taken |= cells
+
+
+def test_dashboard_answers_the_questions_of_the_issue() -> None:
+    titles = {panel["title"] for panel in render.dashboard()["panels"]}
+    for title in ("Output tokens by concurrency", "Stop-reason mix", "Truncation ratio by cause",
+                  "Time to first token by concurrency", "Inter-token latency by concurrency",
+                  "In flight vs GPU memory", "Upstream KV cache and preemptions",
+                  "Client disconnects and deadline hits"):
+        assert title in titles
+
+
+def test_in_flight_and_gpu_memory_share_one_panel_on_two_axes() -> None:
+    (panel,) = [p for p in render.dashboard()["panels"] if p["title"] == "In flight vs GPU memory"]
+    exprs = " ".join(t["expr"] for t in panel["targets"])
+    assert "llm_proxy_in_flight" in exprs and "llm_proxy_gpu_memory_used_bytes" in exprs
+    assert "llm_proxy_gpu_memory_free_bytes" in exprs
+    (override,) = panel["fieldConfig"]["overrides"]
+    assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
+
+
+def test_grafana_provisioning_points_at_the_dashboard_folder_and_prometheus() -> None:
+    (datasources,) = yaml_docs(ROOT / "grafana/provisioning/datasources/prometheus.yml")
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["uid"] == "prometheus"
+    (providers,) = yaml_docs(ROOT / "grafana/provisioning/dashboards/llm-diag-proxy.yml")
+    (provider,) = providers["providers"]
+    mounts = compose()["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in mounts
+
+
+# --- docker compose -----------------------------------------------------------------------------
+
+def test_compose_publishes_only_the_proxy_and_grafana_and_only_on_loopback() -> None:
+    published = {name: svc["ports"] for name, svc in compose()["services"].items() if "ports" in svc}
+    assert set(published) == {"proxy", "proxy-vllm", "grafana"}
+    for ports in published.values():
+        for port in ports:
+            assert default_of(port).startswith("127.0.0.1:"), port
+
+
+def test_compose_profiles_swap_the_inference_server_and_its_proxy() -> None:
+    services = compose()["services"]
+    assert services["ollama"]["profiles"] == services["proxy"]["profiles"] == ["ollama"]
+    assert services["vllm"]["profiles"] == services["proxy-vllm"]["profiles"] == ["vllm"]
+    assert services["proxy"]["environment"]["LLM_DIAG_UPSTREAM"] == "http://ollama:11434"
+    assert services["proxy-vllm"]["environment"]["LLM_DIAG_UPSTREAM"] == "http://vllm:8000"
+    # Prometheus finds either proxy under the one name `proxy`.
+    assert services["proxy-vllm"]["networks"]["default"]["aliases"] == ["proxy"]
+    for name in ("prometheus", "grafana", "alertmanager"):
+        assert "profiles" not in services[name]
+    assert services["vllm"]["image"].startswith("vllm/vllm-openai:")
+
+
+def test_compose_reserves_gpus_for_the_servers_and_nvml_for_the_proxies() -> None:
+    services = compose()["services"]
+    for name in ("ollama", "vllm", "proxy", "proxy-vllm"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+    for name in ("proxy", "proxy-vllm"):
+        env = services[name]["environment"]
+        assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert default_of(env["LLM_DIAG_ADMIN_LISTEN"]) == "0.0.0.0:9464"  # reached by Prometheus only
+
+
+def test_compose_keeps_model_caches_and_prometheus_data_in_volumes() -> None:
+    services = compose()["services"]
+    assert "ollama-models:/root/.ollama" in services["ollama"]["volumes"]
+    assert "hf-cache:/root/.cache/huggingface" in services["vllm"]["volumes"]
+    assert "prometheus-data:/prometheus" in services["prometheus"]["volumes"]
+    assert {"ollama-models", "hf-cache", "prometheus-data"} <= set(compose()["volumes"])
+
+
+def test_compose_file_validates_against_the_compose_spec_schema() -> None:
+    schema = json.loads((ROOT / "tests/fixtures/compose-spec.json").read_text())
+    jsonschema.Draft201909Validator(schema).validate(compose())
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` where the plugin works, else the standalone `docker-compose`, else None."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.mark.parametrize("profile", ["ollama", "vllm"])
+def test_docker_compose_config_accepts_each_profile(profile: str) -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip("neither the docker compose plugin nor docker-compose is installed "
+                    "(apt-get install docker-compose)")
+    result = subprocess.run([*command, "-f", str(COMPOSE), "--profile", profile, "config", "-q"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the image ----------------------------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "deploy/Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_image_is_slim_runs_as_non_root_and_checks_health_with_python() -> None:
+    steps = dockerfile_instructions()
+    bases = [arg for op, arg in steps if op == "FROM"]
+    assert all("-slim" in base for base in bases)
+    final = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM"):]
+    users = [arg for op, arg in final if op == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    (check,) = [arg for op, arg in final if op == "HEALTHCHECK"]
+    assert "python" in check and "curl" not in check and "llm-diag-healthcheck" in check
+    assert ("ENTRYPOINT", '["llm-diag-proxy"]') in final
+
+
+def test_image_copies_only_files_that_exist_and_the_build_context_keeps() -> None:
+    kept = [line[1:].rstrip("/") for line in (ROOT / "deploy/Dockerfile.dockerignore").read_text().splitlines()
+            if line.startswith("!")]
+    for op, arg in dockerfile_instructions():
+        if op == "COPY" and not arg.startswith("--from"):
+            *sources, _ = arg.split()
+            for source in sources:
+                assert source in kept, f"COPY {source}: excluded by deploy/Dockerfile.dockerignore"
+                if source != "README.md":  # the lead's file; the build needs it (pyproject readme)
+                    assert (ROOT / source).exists(), source
+
+
+def test_healthcheck_probes_loopback_when_the_admin_port_binds_every_address() -> None:
+    assert healthcheck.healthz_url("0.0.0.0:9464") == "http://127.0.0.1:9464/healthz"
+    assert healthcheck.healthz_url(":9464") == "http://127.0.0.1:9464/healthz"
+    assert healthcheck.healthz_url("[::]:9464") == "http://[::1]:9464/healthz"
+    assert healthcheck.healthz_url("10.0.0.5:9000") == "http://10.0.0.5:9000/healthz"
+
+
+async def run_healthcheck(listen: str) -> int:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "deploy/healthcheck.py"), listen,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    return await asyncio.wait_for(process.wait(), timeout=20)
+
+
+async def test_healthcheck_passes_against_a_real_admin_listener_and_fails_without_one(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> None:
+    running = await make_proxy(upstream.url)
+    admin = running.admin_url.removeprefix("http://")
+    assert await run_healthcheck(admin) == 0
+    await running.close()
+    assert await run_healthcheck(admin) == 1
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------
+
+def k8s_objects() -> dict[str, dict[str, Any]]:
+    (kustomization,) = yaml_docs(K8S / "kustomization.yaml")
+    objects: dict[str, dict[str, Any]] = {}
+    for resource in kustomization["resources"]:
+        for doc in yaml_docs(K8S / resource):
+            objects[doc["kind"]] = doc
+    return objects
+
+
+def test_k8s_core_manifests_validate_against_the_kubernetes_schemas() -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (offline Kubernetes JSON schemas)")
+    objects = k8s_objects()
+    for kind in ("Deployment", "Service", "PersistentVolumeClaim"):
+        kubernetes_validate.validate(objects[kind], "1.30", strict=True)
+
+
+def test_k8s_service_selects_the_pods_and_the_servicemonitor_selects_the_service() -> None:
+    objects = k8s_objects()
+    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    service = objects["Service"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["metadata"]["name"] == "llm-diag-proxy"  # the job label the rules expect
+    monitor = objects["ServiceMonitor"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    service_ports = {port["name"] for port in service["spec"]["ports"]}
+    assert {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]} <= service_ports
+    containers = {c["name"]: c for c in objects["Deployment"]["spec"]["template"]["spec"]["containers"]}
+    container_ports = {port["name"] for port in containers["llm-diag-proxy"]["ports"]}
+    assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
+
+
+def test_k8s_sidecar_is_the_only_way_in_and_runs_locked_down() -> None:
+    containers = {c["name"]: c for c in k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]}
+    vllm_args = containers["vllm"]["args"]
+    assert vllm_args[vllm_args.index("--host") + 1] == "127.0.0.1"
+    env = {e["name"]: e.get("value") for e in containers["llm-diag-proxy"]["env"]}
+    assert env["LLM_DIAG_UPSTREAM"] == "http://127.0.0.1:8000"
+    security = containers["llm-diag-proxy"]["securityContext"]
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
+    assert not security["allowPrivilegeEscalation"] and security["capabilities"]["drop"] == ["ALL"]
+    assert containers["llm-diag-proxy"]["readinessProbe"]["httpGet"]["path"] == "/readyz"
