@@ -61,13 +61,13 @@ def env_default(name: str, fallback: str) -> str:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `serve`; `demo` reuses them for the proxy it starts."""
-    parser.add_argument("--upstream", type=flag_type(parse_upstream_url),
+    parser.add_argument("--upstream", type=flag_type(parse_upstream_url), metavar="URL",
                         default=env_default("LLM_DIAG_UPSTREAM", DEFAULT_UPSTREAM),
                         help="base URL of the inference server (env LLM_DIAG_UPSTREAM; default %(default)s)")
-    parser.add_argument("--listen", type=flag_type(parse_host_port),
+    parser.add_argument("--listen", type=flag_type(parse_host_port), metavar="HOST:PORT",
                         default=env_default("LLM_DIAG_LISTEN", DEFAULT_LISTEN),
                         help="HOST:PORT where clients connect (env LLM_DIAG_LISTEN; default %(default)s)")
-    parser.add_argument("--admin-listen", type=flag_type(parse_host_port),
+    parser.add_argument("--admin-listen", type=flag_type(parse_host_port), metavar="HOST:PORT",
                         default=env_default("LLM_DIAG_ADMIN_LISTEN", DEFAULT_ADMIN_LISTEN),
                         help="HOST:PORT for /metrics, /healthz, /readyz, /api/requests "
                              "(env LLM_DIAG_ADMIN_LISTEN; default %(default)s)")
@@ -78,20 +78,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline-mode", choices=("observe", "enforce"), default="observe",
                         help="observe: only record a passed deadline (default); enforce: end the "
                              "response with a visible error event")
-    parser.add_argument("--ring-size", type=flag_type(parse_positive_int), default=10_000,
+    parser.add_argument("--ring-size", type=flag_type(parse_positive_int), default=10_000, metavar="N",
                         help="records kept in memory for /api/requests (default %(default)s)")
-    parser.add_argument("--max-models", type=flag_type(parse_positive_int), default=50,
+    parser.add_argument("--max-models", type=flag_type(parse_positive_int), default=50, metavar="N",
                         help="distinct model label values before the rest become 'other' (default %(default)s)")
     parser.add_argument("--request-body-cap", type=flag_type(parse_positive_int), default=32 * 1024 * 1024,
                         metavar="BYTES", help="largest request body parsed for diagnosis; larger ones pass "
                                               "through unparsed (default 32 MiB)")
-    parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
+    parser.add_argument("--admin-token", metavar="TOKEN", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
                         help="require 'Authorization: Bearer TOKEN' on the admin API's /api/* "
                              "(env LLM_DIAG_ADMIN_TOKEN; default: no token)")
     parser.add_argument("--gpu-poll-interval", type=flag_type(parse_seconds), default=1.0, metavar="SECONDS",
                         help="NVML sampling interval, 0 = off (default %(default)s)")
     parser.add_argument("--upstream-metrics", choices=("auto", "vllm", "ollama", "off"), default="auto",
                         help="poll the upstream's own state: vLLM /metrics or Ollama /api/ps (default auto)")
+    parser.add_argument("--upstream-metrics-interval", type=flag_type(parse_seconds), default=1.0,
+                        metavar="SECONDS", help="how often the upstream's state is read (default %(default)s)")
+    parser.add_argument("--no-log-records", dest="log_records", action="store_false",
+                        help="do not write the one JSON line per response to stdout")
     add_logging_arguments(parser)
 
 
@@ -119,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             admin_token=args.admin_token,
             gpu_poll_interval_s=args.gpu_poll_interval,
             upstream_metrics=args.upstream_metrics,
+            upstream_metrics_interval_s=args.upstream_metrics_interval or 1.0,
+            log_records=args.log_records,
             log_level=args.log_level,
             log_format=args.log_format,
         )
