@@ -26,6 +26,7 @@ _log = structlog.get_logger("llm_diag_proxy.telemetry")
 
 # Per GPU, at most this many processes get a `gpu_process_memory` series (the largest).
 MAX_PROCESS_SERIES_PER_GPU = 32
+CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +300,9 @@ class GpuPoller:
     async def close(self) -> None:
         """Shut NVML down on the poller's thread (after any read in flight), then the thread."""
         self.closed = True
-        try:
-            await self.call(self.reader.shutdown)
+        try:  # a hung driver call must not hold the proxy's shutdown hostage
+            await asyncio.wait_for(self.call(self.reader.shutdown), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            _log.warning("gpu_telemetry_shutdown_timeout", timeout_s=CLOSE_TIMEOUT_S)
         finally:
             self.executor.shutdown(wait=False)

@@ -16,7 +16,7 @@ from proxy.telemetry.gpu import GpuPoller, GpuSnapshot, NvmlReader
 from proxy.telemetry.observer import TelemetryObserver
 from proxy.telemetry.pids import local_port, upstream_pids
 from proxy.telemetry.samples import SampleRing, capacity_for
-from proxy.telemetry.upstream import UpstreamPoller, UpstreamState
+from proxy.telemetry.upstream import UpstreamPoller, UpstreamSeries, UpstreamState
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
 
@@ -50,6 +50,8 @@ class Telemetry:
         self.upstream_poller: UpstreamPoller | None = None
         if config.upstream_metrics != "off" and config.upstream_metrics_interval_s > 0:
             self.upstream_ring = SampleRing(capacity_for(config.upstream_metrics_interval_s))
+        else:
+            UpstreamSeries(metrics).unknown()  # not read: NaN, not a 0 that looks like a reading
         self._observer = TelemetryObserver(
             self.gpu_ring, config.gpu_poll_interval_s, self.upstream_ring, config.upstream_metrics_interval_s,
             upstream_pids=lambda: self._upstream_pids)
