@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import ollama
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -276,3 +277,13 @@ async def test_malformed_metrics_is_a_parse_error_logged_once(
         assert not await poller.poll_once()
         assert not await poller.poll_once()
     assert [e["error"] for e in logs] == ["parse"]
+
+
+@pytest.mark.parametrize("body", [OLLAMA_OLD, OLLAMA_NEW, OLLAMA_EMPTY])
+async def test_ollama_fixtures_are_what_the_official_client_reads(fake_upstream: FakeUpstream,
+                                                                  body: bytes) -> None:
+    fake_upstream.routes["/api/ps"] = (200, body)
+    response = await ollama.AsyncClient(host=fake_upstream.url).ps()
+    ours = parse_ollama_ps(body).models
+    assert [(m.model, m.size, m.size_vram, m.context_length) for m in response.models] == \
+        [(m.name, m.size_bytes, m.vram_bytes, m.context_length) for m in ours]
