@@ -56,28 +56,26 @@ def parse_temperature(value: str) -> float:
     return number
 
 
-def add_sweep_arguments(parser: argparse.ArgumentParser, *, for_demo: bool = False) -> None:
-    """The request and level flags; `demo` reuses them with its own short defaults."""
-    parser.add_argument("--levels", type=flag_type(parse_levels),
-                        default=parse_levels("1,2,4,8" if for_demo else DEFAULT_LEVELS),
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The request and level flags; `demo` reuses them with its own short defaults (set_defaults)."""
+    parser.add_argument("--levels", type=flag_type(parse_levels), default=parse_levels(DEFAULT_LEVELS),
                         help="concurrency levels, comma-separated (default 1,2,4,8)")
-    parser.add_argument("--repeats", type=flag_type(parse_positive_int), default=3 if for_demo else 5,
+    parser.add_argument("--repeats", type=flag_type(parse_positive_int), default=5,
                         help="requests per in-flight slot: level L sends L x repeats requests "
                              "(default %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the one prompt every request sends")
-    parser.add_argument("--max-tokens", type=flag_type(parse_positive_int), default=64 if for_demo else 256,
+    parser.add_argument("--max-tokens", type=flag_type(parse_positive_int), default=256,
                         help="requested output budget per request (default %(default)s)")
     parser.add_argument("--seed", type=flag_type(parse_integer), default=42,
                         help="sampling seed, the same for every request (default %(default)s)")
     parser.add_argument("--temperature", type=flag_type(parse_temperature), default=0.0,
                         help="sampling temperature (default %(default)s)")
-    parser.add_argument("--timeout", type=flag_type(parse_seconds), default=30.0 if for_demo else 120.0,
-                        metavar="SECONDS",
+    parser.add_argument("--timeout", type=flag_type(parse_seconds), default=120.0, metavar="SECONDS",
                         help="the client gives up on a response after this long, 0 = never "
                              "(default %(default)s)")
-    parser.add_argument("--out-dir", default=None if for_demo else ".", metavar="DIR",
-                        help="where sweep.json and sweep.csv go" + (" (default: not written)" if for_demo
-                                                                    else " (default: the current directory)"))
+    parser.add_argument("--out-dir", default=".", metavar="DIR",
+                        help="where sweep.json and sweep.csv go (default: %(default)s; "
+                             "for demo: not written unless given)")
     parser.add_argument("--report", default=None, metavar="FILE.html",
                         help="also write a self-contained HTML report with charts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

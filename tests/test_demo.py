@@ -1,0 +1,71 @@
+"""`llm-diag-proxy demo` end to end: simulator, proxy and sweep in one process; the verdict names
+the mechanism the simulator was set to, which the sweep never sees."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+SHORT = ("--levels", "1,8", "--repeats", "2", "--no-progress")
+
+
+def demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy", "demo", *args], capture_output=True, text=True,
+                          timeout=90, check=False)
+
+
+@pytest.mark.parametrize(("scenario", "verdict", "named"), [
+    ("clamp", "VERDICT (serving_defect)", "answers are cut by length:server_limit from concurrency 8"),
+    ("reject", "VERDICT (policy)", "admission control (requests rejected) ends answers from concurrency 8"),
+    ("deadline", "VERDICT (hidden_cap, inferred)", "a server-side wall-clock cap of about"),
+    ("healthy", "VERDICT (no_load_effect)", "no load effect on completion shown"),
+    ("preempt", "VERDICT (no_load_effect)", "no load effect on completion shown"),
+])
+def test_demo_verdict_names_the_mechanism_the_simulator_was_set_to(scenario: str, verdict: str,
+                                                                    named: str) -> None:
+    result = demo("--scenario", scenario, *SHORT)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("VERDICT"))
+    assert line.startswith(verdict) and named in line, result.stdout
+    assert "(records joined from the proxy: 18 of 18)" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_with_defaults_prints_table_verdict_and_keeps_metrics_up_until_interrupted() -> None:
+    """The README's first command (plus --keep-running to look at /metrics afterwards)."""
+    process = subprocess.Popen([sys.executable, "-m", "proxy", "demo", "--no-progress", "--keep-running"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        lines: list[str] = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("--keep-running"):
+                break
+        out = "".join(lines)
+        assert "scenario 'clamp', hidden from the sweep" in out
+        assert re.search(r"^ +8 +24 ", out, re.MULTILINE)  # concurrency 8: 8 slots x 3 requests
+        assert "VERDICT (serving_defect): answers are cut by length:server_limit" in out
+        found = re.search(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$", out, re.MULTILINE)
+        assert found is not None, out
+        with urllib.request.urlopen(found.group(1), timeout=10) as response:
+            text = response.read().decode()
+        assert re.search(r'^llm_proxy_requests_total\{.*stop_reason="length".*\} [1-9]', text, re.MULTILINE)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_demo_bad_flag_is_one_line_and_exit_2() -> None:
+    result = demo("--scenario", "nonsense")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "invalid choice: 'nonsense'" in result.stderr
