@@ -82,5 +82,5 @@ async def test_a_busy_port_is_a_one_line_error() -> None:
     _, err = await asyncio.wait_for(process.communicate(), 20)
     server.close()
     await server.wait_closed()
-    assert process.returncode == 1
+    assert process.returncode == 2
     assert err.decode().count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err.decode()

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve(config, listen, args.scenario))
     except OSError as exc:
         print(f"llm-diag-proxy: error: cannot listen on {listen}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return 2  # as serve does: the --listen value cannot be used
     return 0
 
 

@@ -89,9 +89,9 @@ SCENARIOS: dict[str, SimulatorConfig] = {
     # llama.cpp --parallel 4 with -c 384: each slot has 96 tokens; long answers end `length` at
     # every concurrency (the split is static), and requests beyond 4 wait for a slot.
     "slots": replace(_BASE, kv_blocks=0, kv_policy="none", slots=4, ctx_size=384),
-    # A hidden 0.6 s server deadline: the answer ends `stop` as if complete; from 4 the batch is
+    # A hidden 0.55 s server deadline: the answer ends `stop` as if complete; from 4 the batch is
     # slow enough that many are cut short.
-    "deadline": replace(_BASE, kv_blocks=0, kv_policy="none", deadline_s=0.6),
+    "deadline": replace(_BASE, kv_blocks=0, kv_policy="none", deadline_s=0.55),
     # Nothing runs out: every answer ends on its own at every concurrency.
     "healthy": replace(_BASE, kv_blocks=0, kv_policy="none"),
 }
