@@ -21,6 +21,7 @@ from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import Observer, ObserverChain
 from proxy.store import RecordStore
+from proxy.telemetry import Telemetry
 
 _log = structlog.get_logger("llm_diag_proxy")
 
@@ -50,7 +51,7 @@ class RunningProxy:
     observers: ObserverChain
     _runners: list[web.AppRunner] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
-    _telemetry: Any = None
+    _telemetry: Telemetry | None = None
 
     async def close(self) -> None:
         for runner in self._runners:
@@ -76,24 +77,14 @@ async def _listen(app: web.Application, where: HostPort, **runner_options: Any) 
     return runner, f"http://{host}:{port}"
 
 
-def _telemetry_for(config: ProxyConfig, metrics: ProxyMetrics) -> Any:
-    """The GPU and upstream-state telemetry, when that part of the package is present."""
-    try:
-        from proxy.telemetry import Telemetry
-    except ImportError:
-        return None
-    return Telemetry(config, metrics)
-
-
 async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
                       log_records: bool | None = None) -> RunningProxy:
     """Start both listeners (port 0 picks a free port) and return once they accept connections."""
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
-    telemetry = _telemetry_for(config, metrics)
+    telemetry = Telemetry(config, metrics)
     chain = ObserverChain()
-    if telemetry is not None:
-        chain.add(telemetry.observer)  # enrichers first: what they add is exported below
+    chain.add(telemetry.observer)  # enrichers first: what they add is exported below
     for observer in extra_observers:
         chain.add(observer)
     chain.add(MetricsObserver(metrics))
@@ -115,8 +106,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
         running._runners.append(runner)
         runner, running.admin_url = await _listen(admin_app, config.admin_listen)
         running._runners.append(runner)
-        if telemetry is not None:
-            await telemetry.start()
+        await telemetry.start()
     except BaseException:
         await running.close()
         raise

@@ -21,6 +21,7 @@ from proxy.config import (
     ProxyConfig,
     parse_host_port,
     parse_positive_int,
+    parse_positive_seconds,
     parse_seconds,
     parse_upstream_url,
 )
@@ -92,8 +93,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NVML sampling interval, 0 = off (default %(default)s)")
     parser.add_argument("--upstream-metrics", choices=("auto", "vllm", "ollama", "off"), default="auto",
                         help="poll the upstream's own state: vLLM /metrics or Ollama /api/ps (default auto)")
-    parser.add_argument("--upstream-metrics-interval", type=flag_type(parse_seconds), default=1.0,
-                        metavar="SECONDS", help="how often the upstream's state is read (default %(default)s)")
+    parser.add_argument("--upstream-metrics-interval", type=flag_type(parse_positive_seconds), default=1.0,
+                        metavar="SECONDS", help="how often the upstream's state is read (default %(default)s; "
+                                                "--upstream-metrics off turns it off)")
     parser.add_argument("--no-log-records", dest="log_records", action="store_false",
                         help="do not write the one JSON line per response to stdout")
     add_logging_arguments(parser)
@@ -123,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             admin_token=args.admin_token,
             gpu_poll_interval_s=args.gpu_poll_interval,
             upstream_metrics=args.upstream_metrics,
-            upstream_metrics_interval_s=args.upstream_metrics_interval or 1.0,
+            upstream_metrics_interval_s=args.upstream_metrics_interval,
             log_records=args.log_records,
             log_level=args.log_level,
             log_format=args.log_format,

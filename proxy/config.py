@@ -71,6 +71,14 @@ def parse_seconds(value: str) -> float:
     return seconds
 
 
+def parse_positive_seconds(value: str) -> float:
+    """A positive number of seconds (an interval that cannot be off)."""
+    seconds = parse_seconds(value)
+    if seconds == 0:
+        raise ConfigError(f"invalid number of seconds {value!r}: must be positive")
+    return seconds
+
+
 def parse_positive_int(value: str) -> int:
     try:
         number = int(value)
