@@ -52,7 +52,7 @@ def test_bad_values_are_one_line_errors_with_exit_2(argv: list[str], message: st
 async def test_the_simulate_process_serves_until_sigterm() -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "simulate", "--listen", "127.0.0.1:0", "--scenario", "healthy",
-        "--token-time", "0.001", stderr=asyncio.subprocess.PIPE)
+        "--token-time", "0.001", "--natural-tokens", "2000", stderr=asyncio.subprocess.PIPE)
     try:
         assert process.stderr is not None
         line = (await asyncio.wait_for(process.stderr.readline(), 20)).decode()
@@ -62,8 +62,14 @@ async def test_the_simulate_process_serves_until_sigterm() -> None:
             async with session.get(f"{url.group(0)}/health") as resp:
                 assert resp.status == 200
             async with session.post(f"{url.group(0)}/api/generate",
-                                    json={"model": "sim-7b", "prompt": "hi", "stream": False}) as resp:
+                                    json={"model": "sim-7b", "prompt": "hi", "stream": False,
+                                          "options": {"num_predict": 5}}) as resp:
                 assert (await resp.json())["done"] is True
+            # a client that leaves mid-stream must not make the server print a traceback
+            resp = await session.post(f"{url.group(0)}/v1/completions", json={"prompt": "x", "stream": True})
+            await resp.content.readline()
+            resp.close()
+            await asyncio.sleep(0.2)
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 20) == 0
         assert (await process.stderr.read()) == b""  # nothing logged per request, no traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -112,17 +113,24 @@ async def _stream_response(request: web.Request, fmt: WireFormat, stream: Sequen
                            progress: _Progress) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": fmt.content_type})
     await response.prepare(request)
+    # A client that goes away mid-answer is no error: the caller frees the sequence; nothing to log.
+    with contextlib.suppress(ConnectionResetError):
+        await _write_stream(request, response, fmt, stream, faults, progress)
+    return response
+
+
+async def _write_stream(request: web.Request, response: web.StreamResponse, fmt: WireFormat,
+                        stream: SequenceStream, faults: Faults, progress: _Progress) -> None:
     if head := fmt.begin():
         await response.write(head)
     async for output in _outputs(stream, progress):
         fault = await _fault_before_output(request, faults, progress)
         if fault == "cut":
             cut_connection(request)
-            return response
+            return
         if fault == "error":
             await response.write(fmt.error(faults.error_message))
-            await response.write_eof()
-            return response
+            break
         data = fmt.chunk(output.text, output.finish)
         if output.finish is not None:
             data += fmt.end(output.finish, _timings(stream, progress))
@@ -130,7 +138,6 @@ async def _stream_response(request: web.Request, fmt: WireFormat, stream: Sequen
         if output.text:
             progress.tokens_sent += 1
     await response.write_eof()
-    return response
 
 
 async def _whole_response(request: web.Request, fmt: WireFormat, stream: SequenceStream, faults: Faults,
