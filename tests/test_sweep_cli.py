@@ -79,3 +79,19 @@ async def test_a_sweep_prints_the_table_and_verdict_and_writes_json_and_csv(
     rows = list(csv.DictReader((tmp_path / "out" / "sweep.csv").open()))
     assert len(rows) == 6 and {r["stop_label"] for r in rows} == {"eos"}
     assert {r["output_tokens"] for r in rows} == {"6"}
+
+
+async def test_an_admin_that_does_not_know_the_requests_is_said_in_the_footer(load: LoadUpstream,
+                                                                              tmp_path: Path) -> None:
+    admin = LoadUpstream()  # answers /api/requests/{id} with 404, like a proxy that never saw them
+    await admin.start()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "sweep", "--target", load.url, "--admin", admin.url + "/nothing",
+            "--model", "m", "--levels", "1", "--repeats", "3", "--warmup", "0", "--no-progress",
+            "--out-dir", str(tmp_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, _ = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        assert admin.server is not None
+        await admin.server.close()
+    assert "records joined from the proxy: 0 of 3; 3 used the sweep's own record instead" in stdout.decode()

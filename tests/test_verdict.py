@@ -72,7 +72,7 @@ def test_enforced_deadline_is_a_policy_with_the_durations_where_it_cuts() -> Non
     samples = level(1, 4, duration=3.0) + level(2, 8, duration=4.0) + level(4, 16, **cut)
     v = verdict(samples)
     assert (v.kind, v.cause, v.onset_level) == ("policy", "deadline", 4)
-    assert "the total deadline" in v.headline
+    assert "the proxy's enforced total deadline (--deadline)" in v.headline
     assert any("lasted 5.00 s-5.00 s (median 5.00 s)" in line for line in v.evidence)
 
 

@@ -167,6 +167,10 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     joined = sum(s.joined for s in summaries)
     source = (f"records joined from the proxy: {joined} of {len(samples)}" if plan.admin
               else "no --admin: stop reasons come from the sweep's own parse of each stream")
+    notes = [s.join_note for s in samples if s.join_note]
+    if notes:
+        source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
+                   "that --admin belongs to?")
     out.write(f"{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
     if written:
         out.write("wrote " + ", ".join(str(p) for p in written) + "\n")

@@ -88,7 +88,7 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
                                            [float(output_tokens(s.record)) for s in groups[top.level]])
     latency = _latency_line(base, top)
     if base.completion_rate < BASELINE_MIN_COMPLETION:
-        return _baseline_truncation(base, latency)
+        return _baseline_truncation(base, groups[base.level], latency, client_timeout_s)
     onset = next((s for s in summaries[1:]
                   if base.completion_rate - s.completion_rate >= COMPLETION_DROP
                   and s.n - s.complete >= MIN_CUT), None)
@@ -109,9 +109,11 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     return _no_load_effect(summaries, difference, latency)
 
 
-def _baseline_truncation(base: LevelSummary, latency: str) -> Verdict:
-    cut = {k: v for k, v in base.stop_counts.items() if k not in ("eos", "stop_sequence", "tool_calls")}
-    cause, count = max(cut.items(), key=lambda kv: kv[1]) if cut else ("unknown", 0)
+def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency: str,
+                         client_timeout_s: float | None) -> Verdict:
+    causes = Counter(stop_label(s.record) for s in samples if not is_complete(s.record))
+    cause, count = causes.most_common(1)[0]
+    detail = _cause_detail(cause, [s for s in samples if stop_label(s.record) == cause], client_timeout_s)
     if cause == "length:requested_budget":
         advice = (f"raise --max-tokens above {base.requested_max_tokens} so answers can end on their "
                   "own; only then can the completion rate show a load effect")
@@ -121,7 +123,7 @@ def _baseline_truncation(base: LevelSummary, latency: str) -> Verdict:
         "baseline_truncation",
         f"already at concurrency {base.level} only {_pct(base.completion_rate)} of answers completed",
         cause, base.level, False,
-        (f"{count} of {base.n} responses at concurrency {base.level} ended with {cause}", latency),
+        (f"{count} of {base.n} responses at concurrency {base.level} ended with {cause}", *detail, latency),
         advice)
 
 
@@ -162,9 +164,9 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
 
 def _policy_name(cause: str, client_timeout_s: float | None) -> str:
     if cause == "deadline":
-        return "the total deadline"
+        return "the proxy's enforced total deadline (--deadline)"
     if cause == "idle_timeout":
-        return "the idle timeout between chunks"
+        return "the proxy's enforced idle timeout between chunks (--idle-timeout)"
     if cause == "rejected":
         return "admission control (requests rejected)"
     timeout = f" of {client_timeout_s:g} s" if client_timeout_s else ""
@@ -279,14 +281,21 @@ def _no_load_effect(summaries: Sequence[LevelSummary], difference: Interval | No
     if kv:
         evidence.append("KV cache usage max: " + ", ".join(
             f"c={s.level}: {_pct(s.kv_cache_usage_max or 0.0)}" for s in kv))
-    width = ("" if difference is None
-             else f" (the interval spans {difference.high - difference.low:.1f} tokens)")
+    repeats = max(2 * base.n // max(base.level, 1), 4)
+    if difference is None:
+        width = "that gives the length difference an interval"
+    elif difference.high - difference.low == 0:
+        width = (f"at c={base.level} and c={top.level} every answer had the same length, so for this seed "
+                 "the difference is exact")
+    else:
+        spread = difference.high - difference.low
+        width = f"that narrows the length difference's interval (now {spread:.1f} tokens wide)"
     return Verdict(
         "no_load_effect",
         "no load effect on completion shown: answers kept ending on their own; only latency changed",
         None, None, False, tuple(evidence),
-        f"run more seeded repetitions (e.g. --repeats {max(2 * base.n // max(base.level, 1), 4)}) to "
-        f"narrow the length difference{width}", difference)
+        f"to confirm, run more seeded repetitions (e.g. --repeats {repeats}, and again with another "
+        f"--seed); {width}", difference)
 
 
 # --- formatting ------------------------------------------------------------------------------
