@@ -1,0 +1,377 @@
+"""End to end through the proxy against a real llama-server: what it records is what the server did.
+
+Slot geometry (see conftest): `split_server` has 4 slots of 256 tokens (1024 / 4), so a request
+whose prompt plus budget exceeds 256 is cut by the server; `single_server` gives one slot the
+whole 1024; `unified_server` lets 4 slots share one 1024-token pool. The tiny model never samples
+EOS, so every length stop here is the budget or the context, never chance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.llamacpp.conftest import SLOT_CTX
+from tests.llamacpp.llama_server import ALIAS, LlamaServer
+from tests.llamacpp.tee import ByteTee, first_http_response
+
+pytestmark = pytest.mark.llamacpp
+
+PROMPT = "Tell me about llamas."
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+GREEDY: dict[str, Any] = {"temperature": 0, "seed": 42}
+BIG_BUDGET = 400  # more than a 256-token slot can hold, less than the 1024 of a whole context
+RECORD_WAIT_S = 10.0
+
+
+async def record_of(running: Any, request_id: str) -> dict[str, Any]:
+    """The proxy's record for one request, from the admin API (it is stored just after the last byte)."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{running.admin_url}/api/requests/{request_id}") as resp:
+                if resp.status == 200:
+                    found: dict[str, Any] = await resp.json()
+                    return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no record for {request_id} after {RECORD_WAIT_S} s")
+            await asyncio.sleep(0.05)
+
+
+def new_id() -> str:
+    return f"llamacpp-{uuid.uuid4().hex[:12]}"
+
+
+def client_for(running: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{running.proxy_url}/v1", api_key="unused", max_retries=0)
+
+
+async def chat(running: Any, max_tokens: int, *, stream: bool, include_usage: bool = False,
+               request_id: str | None = None) -> tuple[str, str | None, int, dict[str, Any]]:
+    """One chat completion with the official client: (request id, finish_reason, content chunks, usage)."""
+    rid = request_id or new_id()
+    async with client_for(running) as client:
+        if not stream:
+            resp = await client.chat.completions.create(
+                model=ALIAS, messages=MESSAGES, max_tokens=max_tokens, extra_headers={"X-Request-Id": rid},
+                **GREEDY)
+            assert resp.usage is not None
+            return rid, resp.choices[0].finish_reason, -1, resp.usage.model_dump()
+        finish: str | None = None
+        chunks = 0
+        usage: dict[str, Any] = {}
+        events = await client.chat.completions.create(
+            model=ALIAS, messages=MESSAGES, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True} if include_usage else None,
+            extra_headers={"X-Request-Id": rid}, **GREEDY)
+        async for event in events:
+            for choice in event.choices:
+                if choice.delta.content:
+                    chunks += 1
+                if choice.finish_reason is not None:
+                    finish = choice.finish_reason
+            if event.usage is not None:
+                usage = event.usage.model_dump()
+        return rid, finish, chunks, usage
+
+
+async def native_completion(running: Any, n_predict: int, *, stream: bool) -> tuple[str, dict[str, Any]]:
+    """llama.cpp's own `/completion`: (request id, the final object the server sent)."""
+    rid = new_id()
+    body = {"prompt": PROMPT, "n_predict": n_predict, "stream": stream, **GREEDY}
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{running.proxy_url}/completion", json=body, headers={"X-Request-Id": rid}
+    ) as resp:
+        assert resp.status == 200
+        if not stream:
+            return rid, await resp.json()
+        final: dict[str, Any] = {}
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                final = json.loads(line[6:])
+        return rid, final
+
+
+# --- a length stop at the client's own budget ------------------------------------------------
+
+
+async def test_chat_completion_stopped_at_max_tokens_is_length_at_requested_budget(
+    split_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(split_server.url)
+    rid, finish, _, usage = await chat(running, 8, stream=False)
+    assert (finish, usage["completion_tokens"]) == ("length", 8)
+    record = await record_of(running, rid)
+    assert record["dialect"] == "openai" and record["status"] == 200
+    assert record["stop_reason"] == "length"
+    assert record["length_cause"] == "requested_budget"
+    assert record["finish_reason_raw"] == "length"
+    assert record["requested_max_tokens"] == 8
+    assert (record["output_tokens"], record["tokens_source"]) == (8, "usage")
+    assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no_usage_chunk", "usage_chunk"])
+async def test_streamed_chat_stopped_at_max_tokens_is_length_at_requested_budget(
+    split_server: LlamaServer, proxy_for: Any, include_usage: bool
+) -> None:
+    running = await proxy_for(split_server.url)
+    rid, finish, chunks, usage = await chat(running, 8, stream=True, include_usage=include_usage)
+    assert (finish, chunks) == ("length", 8)
+    record = await record_of(running, rid)
+    assert (record["stop_reason"], record["length_cause"]) == ("length", "requested_budget")
+    assert record["output_tokens"] == 8
+    assert record["tokens_source"] == ("usage" if include_usage else "counted")
+    if include_usage:
+        assert usage["completion_tokens"] == 8
+        assert record["prompt_tokens"] == usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_native_completion_stopped_at_n_predict_is_requested_budget_not_truncated(
+    split_server: LlamaServer, proxy_for: Any, stream: bool
+) -> None:
+    running = await proxy_for(split_server.url)
+    rid, final = await native_completion(running, 8, stream=stream)
+    assert (final["stop_type"], final["truncated"], final["tokens_predicted"]) == ("limit", False, 8)
+    record = await record_of(running, rid)
+    assert record["dialect"] == "llamacpp"
+    assert (record["stop_reason"], record["length_cause"]) == ("length", "requested_budget")
+    assert record["finish_reason_raw"] == "limit"
+    assert record["truncated_flag"] is False
+    assert record["output_tokens"] == 8
+
+
+# --- a length stop at the slot's context, long before the budget -----------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_chat_cut_by_the_slot_context_before_max_tokens_is_server_limit(
+    split_server: LlamaServer, proxy_for: Any, stream: bool
+) -> None:
+    running = await proxy_for(split_server.url)
+    rid, finish, chunks, usage = await chat(running, BIG_BUDGET, stream=stream, include_usage=stream)
+    assert finish == "length"
+    if stream:
+        assert chunks == usage["completion_tokens"]  # one content chunk per token
+    # The server stops when prompt + generated tokens fill the slot: 1024 / 4 = 256.
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == SLOT_CTX
+    record = await record_of(running, rid)
+    assert (record["stop_reason"], record["length_cause"]) == ("length", "server_limit")
+    assert record["requested_max_tokens"] == BIG_BUDGET
+    assert record["output_tokens"] == usage["completion_tokens"] < BIG_BUDGET
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_native_completion_cut_by_the_slot_context_is_truncated_server_limit(
+    split_server: LlamaServer, proxy_for: Any, stream: bool
+) -> None:
+    running = await proxy_for(split_server.url)
+    rid, final = await native_completion(running, BIG_BUDGET, stream=stream)
+    assert (final["stop_type"], final["truncated"]) == ("limit", True)
+    assert final["tokens_evaluated"] + final["tokens_predicted"] == SLOT_CTX
+    record = await record_of(running, rid)
+    assert (record["stop_reason"], record["length_cause"]) == ("length", "server_limit")
+    assert record["truncated_flag"] is True
+    assert record["output_tokens"] == final["tokens_predicted"] < BIG_BUDGET
+    assert record["server_timings"]
+
+
+async def test_splitting_the_context_across_slots_cuts_answers_that_one_whole_slot_completes(
+    split_server: LlamaServer, single_server: LlamaServer, proxy_for: Any
+) -> None:
+    split_proxy = await proxy_for(split_server.url)
+    results = await asyncio.gather(*(chat(split_proxy, BIG_BUDGET, stream=True) for _ in range(4)))
+    records = [await record_of(split_proxy, rid) for rid, *_ in results]
+    assert [r["stop_reason"] for r in records] == ["length"] * 4
+    assert [r["length_cause"] for r in records] == ["server_limit"] * 4
+    assert all(r["output_tokens"] < BIG_BUDGET for r in records)
+    assert max(r["concurrency_peak"] for r in records) >= 2
+
+    # The same request, the same --ctx-size, one slot: the budget fits and is used up.
+    single_proxy = await proxy_for(single_server.url)
+    rid, finish, chunks, _ = await chat(single_proxy, BIG_BUDGET, stream=True)
+    assert (finish, chunks) == ("length", BIG_BUDGET)
+    alone = await record_of(single_proxy, rid)
+    assert (alone["stop_reason"], alone["length_cause"], alone["output_tokens"]) == (
+        "length", "requested_budget", BIG_BUDGET)
+
+
+# --- a unified KV pool: only concurrency exhausts it, and then the server errors --------------
+
+
+async def test_unified_pool_serves_one_request_its_whole_budget(
+    unified_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(unified_server.url)
+    rid, finish, chunks, _ = await chat(running, BIG_BUDGET, stream=True)
+    assert (finish, chunks) == ("length", BIG_BUDGET)
+    record = await record_of(running, rid)
+    assert (record["stop_reason"], record["length_cause"]) == ("length", "requested_budget")
+
+
+async def test_concurrency_that_exhausts_a_unified_pool_is_an_error_event_mid_stream(
+    unified_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(unified_server.url)
+    rids = [new_id() for _ in range(4)]
+
+    async def one(rid: str) -> str:
+        try:
+            await chat(running, BIG_BUDGET, stream=True, request_id=rid)
+        except openai.APIError as exc:  # the client raises on the `data: {"error": ...}` event
+            return str(exc)
+        return "completed"
+
+    outcomes = await asyncio.gather(*(one(rid) for rid in rids))
+    assert all("Context size has been exceeded" in o for o in outcomes), outcomes
+    for rid in rids:
+        record = await record_of(running, rid)
+        assert record["status"] == 200  # the headers were sent before the pool ran out
+        assert (record["stop_reason"], record["upstream_error"]) == ("upstream_error", "error_event")
+        assert "Context size has been exceeded" in (record["upstream_error_detail"] or "")
+        assert record["output_tokens"] < BIG_BUDGET
+
+
+async def test_non_streamed_request_failing_on_an_exhausted_unified_pool_is_http_500(
+    unified_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(unified_server.url)
+    rids = [new_id() for _ in range(4)]
+
+    async def one(rid: str) -> int:
+        try:
+            await chat(running, BIG_BUDGET, stream=False, request_id=rid)
+        except openai.APIStatusError as exc:
+            return exc.status_code
+        return 200
+
+    assert await asyncio.gather(*(one(rid) for rid in rids)) == [500] * 4
+    for rid in rids:
+        record = await record_of(running, rid)
+        assert (record["status"], record["stop_reason"], record["upstream_error"]) == (
+            500, "upstream_error", "http_status")
+        assert "Context size has been exceeded" in (record["upstream_error_detail"] or "")
+
+
+# --- transparency ----------------------------------------------------------------------------
+
+BYTE_CASES = {
+    "chat_json": ("/v1/chat/completions", {"model": ALIAS, "messages": MESSAGES, "max_tokens": 16, **GREEDY}),
+    "chat_sse": ("/v1/chat/completions",
+                 {"model": ALIAS, "messages": MESSAGES, "max_tokens": 16, "stream": True, **GREEDY}),
+    "completion_json": ("/completion", {"prompt": PROMPT, "n_predict": 16, **GREEDY}),
+    "completion_sse": ("/completion", {"prompt": PROMPT, "n_predict": BIG_BUDGET, "stream": True, **GREEDY}),
+}
+
+
+@pytest.mark.parametrize("case", list(BYTE_CASES))
+async def test_proxy_delivers_the_exact_body_bytes_the_server_sent(
+    split_server: LlamaServer, proxy_for: Any, case: str
+) -> None:
+    path, body = BYTE_CASES[case]
+    tee = ByteTee("127.0.0.1", split_server.port)
+    try:
+        running = await proxy_for(await tee.start())
+        async with aiohttp.ClientSession(auto_decompress=False) as session, session.post(
+            running.proxy_url + path, json=body
+        ) as resp:
+            received = await resp.read()
+            status, content_type = resp.status, resp.headers.get("Content-Type")
+        await asyncio.sleep(0.1)  # let the tee's relay finish copying
+        assert len(tee.from_upstream) >= 1
+        status_line, headers, sent = first_http_response(bytes(tee.from_upstream[0]))
+    finally:
+        await tee.close()
+    assert status == 200 and status_line.startswith(b"HTTP/1.1 200")
+    assert content_type == headers["content-type"]
+    assert len(received) > 0
+    assert received == sent
+
+
+async def test_back_to_back_requests_after_a_stream_all_reach_the_server(
+    split_server: LlamaServer, proxy_for: Any
+) -> None:
+    # llama-server closes the connection after each streamed response although it answered
+    # `Keep-Alive: timeout=5, max=100`; a proxy that reuses that connection fails the next request.
+    running = await proxy_for(split_server.url)
+    for _ in range(5):
+        _, finish, _, _ = await chat(running, 4, stream=True)
+        assert finish == "length"
+        rid, finish, _, _ = await chat(running, 4, stream=False)
+        assert finish == "length"
+        record = await record_of(running, rid)
+        assert (record["status"], record["upstream_error"]) == (200, None)
+
+
+async def test_client_disconnect_mid_stream_frees_the_server_slot(
+    long_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(long_server.url)
+    n_predict = long_server.slot_ctx - 100
+    before = await predicted_total(long_server)
+    rid = new_id()
+    body = {"prompt": PROMPT, "n_predict": n_predict, "stream": True, **GREEDY}
+    session = aiohttp.ClientSession()
+    try:
+        resp = await session.post(f"{running.proxy_url}/completion", json=body, headers={"X-Request-Id": rid})
+        data_lines = 0
+        while data_lines < 3:
+            line = await resp.content.readline()
+            assert line, "the stream ended before the test walked away"
+            data_lines += line.startswith(b"data: ")
+        assert await slot_busy(long_server)
+        resp.close()  # drop the connection mid-stream
+    finally:
+        await session.close()
+    deadline = time.monotonic() + 20
+    while await slot_busy(long_server):
+        assert time.monotonic() < deadline, "the server kept generating for a gone client"
+        await asyncio.sleep(0.05)
+    # Released with far fewer tokens than asked for: cancelled, not finished (no EOS, no ctx limit).
+    generated = await predicted_total(long_server) - before
+    assert 3 <= generated < n_predict
+    record = await record_of(running, rid)
+    assert record["stop_reason"] == "client_disconnect"
+    assert record["client_disconnected"] is True
+    assert record["disconnect_phase"] == "mid_stream"
+
+
+async def slot_busy(server: LlamaServer) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(f"{server.url}/slots") as resp:
+        return any(slot["is_processing"] for slot in await resp.json())
+
+
+async def predicted_total(server: LlamaServer) -> int:
+    async with aiohttp.ClientSession() as session, session.get(f"{server.url}/metrics") as resp:
+        text = await resp.text()
+    match = re.search(r"^llamacpp:tokens_predicted_total (\d+)", text, re.MULTILINE)
+    assert match, text
+    return int(match.group(1))
+
+
+async def test_server_metrics_slots_and_health_are_reachable_through_the_proxy_port(
+    split_server: LlamaServer, proxy_for: Any
+) -> None:
+    running = await proxy_for(split_server.url)
+    async with aiohttp.ClientSession() as session:
+        rid = new_id()
+        async with session.get(f"{running.proxy_url}/metrics", headers={"X-Request-Id": rid}) as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        assert "llamacpp:requests_processing" in text
+        assert "llamacpp:tokens_predicted_total" in text
+        async with session.get(f"{running.proxy_url}/slots") as resp:
+            assert len(await resp.json()) == split_server.parallel
+        async with session.get(f"{running.proxy_url}/health") as resp:
+            assert await resp.json() == {"status": "ok"}
+    record = await record_of(running, rid)
+    assert (record["route"], record["stop_reason"]) == ("other", "not_inference")
