@@ -264,8 +264,10 @@ class _Exchange:
             self._break_client_connection(response)
             return response
         except ConnectionError:
+            # The client went away between two writes: a routine end, recorded as such. Re-raising
+            # would make aiohttp log it as a handler error with a traceback.
             self.client_gone = True
-            raise
+            return response
         finally:
             self._finish_observation(max_gap)
         await response.write_eof()
