@@ -156,8 +156,9 @@ async def test_paused_client_blocks_the_upstream_and_proxy_memory_stays_bounded(
     await asyncio.wait_for(flood.disconnected.wait(), 10)
     peak = await sampler.stop()
     print(f"\nupstream sent {sent_when_paused / MIB:.1f} MiB while the client had read "
-          f"{read_when_paused / MIB:.1f} MiB and paused; blocked in drain for {blocked:.2f} s; +{(sent_after_more_pause - sent_when_paused) / MIB:.2f}"
-          f" MiB in 0.5 s more pause; while reading {slow_read / MIB:.1f} MiB slowly the upstream sent "
+          f"{read_when_paused / MIB:.1f} MiB and paused; blocked in drain for {blocked:.2f} s; "
+          f"+{(sent_after_more_pause - sent_when_paused) / MIB:.2f} MiB in 0.5 s more pause; "
+          f"while reading {slow_read / MIB:.1f} MiB slowly the upstream sent "
           f"{slow_sent / MIB:.1f} MiB; proxy RSS growth peak {(peak - before) / MIB:.1f} MiB")
     assert sent_when_paused < TOTAL // 4  # nowhere near the 200 MiB it wanted to send
     assert blocked > 1.0  # its write waits for the socket: the pause reached it
