@@ -23,6 +23,7 @@ class LoadUpstream:
     answer: Answer = lambda in_flight: (6, "stop")
     token_delay: float = 0.002
     reject_above: int | None = None
+    missing_model: bool = False
     in_flight: int = 0
     peak: int = 0
     request_ids: list[str] = field(default_factory=list)
@@ -51,6 +52,8 @@ class LoadUpstream:
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
+            if self.missing_model:  # Ollama's answer to an unknown model
+                return web.json_response({"error": "model 'm' not found"}, status=404)
             if self.reject_above is not None and self.in_flight > self.reject_above:
                 return web.json_response({"error": {"message": "server busy", "type": "overloaded"}},
                                          status=429)

@@ -20,21 +20,38 @@ def demo(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=90, check=False)
 
 
-@pytest.mark.parametrize(("scenario", "verdict", "named"), [
-    ("clamp", "VERDICT (serving_defect)", "answers are cut by length:server_limit from concurrency 8"),
-    ("reject", "VERDICT (policy)", "admission control (requests rejected) ends answers from concurrency 8"),
-    ("deadline", "VERDICT (hidden_cap, inferred)", "a server-side wall-clock cap of about"),
-    ("healthy", "VERDICT (no_load_effect)", "no load effect on completion shown"),
-    ("preempt", "VERDICT (no_load_effect)", "no load effect on completion shown"),
-])
-def test_demo_verdict_names_the_mechanism_the_simulator_was_set_to(scenario: str, verdict: str,
-                                                                    named: str) -> None:
-    result = demo("--scenario", scenario, *SHORT)
-    assert result.returncode == 0, result.stderr
-    line = next(line for line in result.stdout.splitlines() if line.startswith("VERDICT"))
-    assert line.startswith(verdict) and named in line, result.stdout
-    assert "(records joined from the proxy: 18 of 18)" in result.stdout
-    assert "Traceback" not in result.stderr
+EXPECTED = {
+    "clamp": ("VERDICT (serving_defect)", "answers are cut by length:server_limit from concurrency 8"),
+    "reject": ("VERDICT (policy)", "admission control (requests rejected) ends answers from concurrency 8"),
+    "deadline": ("VERDICT (hidden_cap, inferred)", "a server-side wall-clock cap of about"),
+    "healthy": ("VERDICT (no_load_effect)", "no load effect on completion shown"),
+    "preempt": ("VERDICT (no_load_effect)", "no load effect on completion shown"),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_runs() -> dict[str, tuple[int, str, str]]:
+    """One short demo per scenario, run side by side (each mostly waits on its simulated clock)."""
+    processes = {scenario: subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--scenario", scenario, *SHORT],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for scenario in EXPECTED}
+    results = {}
+    for scenario, process in processes.items():
+        stdout, stderr = process.communicate(timeout=120)
+        results[scenario] = (process.returncode, stdout, stderr)
+    return results
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_demo_verdict_names_the_mechanism_the_simulator_was_set_to(
+        scenario: str, demo_runs: dict[str, tuple[int, str, str]]) -> None:
+    returncode, stdout, stderr = demo_runs[scenario]
+    verdict, named = EXPECTED[scenario]
+    assert returncode == 0, stderr
+    line = next(line for line in stdout.splitlines() if line.startswith("VERDICT"))
+    assert line.startswith(verdict) and named in line, stdout
+    assert "(records joined from the proxy: 18 of 18)" in stdout
+    assert "Traceback" not in stderr
 
 
 def test_demo_with_defaults_prints_table_verdict_and_keeps_metrics_up_until_interrupted() -> None:

@@ -135,3 +135,10 @@ async def test_an_admin_that_is_down_is_one_clear_error(load: LoadUpstream) -> N
     message = "cannot reach the proxy's admin API at http://127.0.0.1:9/healthz"
     with pytest.raises(SweepError, match=re.escape(message)):
         await run_sweep(plan(load.url, admin="http://127.0.0.1:9"))
+
+
+async def test_a_request_the_target_refuses_stops_the_sweep_with_its_error(load: LoadUpstream) -> None:
+    message = "the target refused the sweep's request (POST " + load.url + "/api/chat): HTTP 404"
+    load.missing_model = True
+    with pytest.raises(SweepError, match=re.escape(message) + ".*model 'm' not found.*check --model"):
+        await run_sweep(plan(load.url, dialect="ollama", warmup=1))

@@ -251,6 +251,11 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
             warm = await send_one(session, plan, body, f"sweep-{run_id}-warmup-{number}", 0, number, 1)
             if warm.record.upstream_error == "connect":
                 raise SweepError(f"cannot reach the target at {plan.target}: {warm.client.error}")
+            status = warm.record.status or 0
+            if 400 <= status < 500 and status not in (408, 429):  # the request itself is wrong
+                detail = (warm.record.upstream_error_detail or f"HTTP {status}")[:200]
+                raise SweepError(f"the target refused the sweep's request (POST {plan.target}{plan.path}): "
+                                 f"{detail}; check --model and --dialect")
         samples: list[Sample] = []
         for level in plan.levels:
             on_level_start(level)
