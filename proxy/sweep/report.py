@@ -11,7 +11,7 @@ from plotly.offline import get_plotlyjs  # type: ignore[import-untyped]
 
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import LevelSummary, output_tokens, stop_label
-from proxy.sweep.table import COLUMNS, row
+from proxy.sweep.table import COLUMNS, ESTIMATE_NOTE, row
 from proxy.sweep.verdict import Verdict
 
 # Stop reasons in a fixed order and colour, so two reports read the same way.
@@ -74,7 +74,8 @@ def _table_html(summaries: Sequence[LevelSummary]) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row(s)) + "</tr>"
                    for s in summaries)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    note = f"<p>{html.escape(ESTIMATE_NOTE)}</p>" if any(s.tokens_counted for s in summaries) else ""
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
 
 
 def _verdict_html(verdict: Verdict) -> str:

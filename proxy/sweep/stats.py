@@ -99,6 +99,7 @@ class LevelSummary:
     output_tokens_q3: float
     output_tokens_mean: float
     requested_max_tokens: int | None
+    tokens_counted: int  # responses whose token count is counted chunks, an estimate (no `usage`)
     complete: int
     completion_rate: float
     stop_counts: dict[str, int]
@@ -110,7 +111,8 @@ class LevelSummary:
     duration_max_s: float
     deadline_hits: int
     client_disconnects: int
-    preempted_responses: int | None
+    preempted_responses: int | None  # of `preemptions_known` responses whose record carried the figure
+    preemptions_known: int
     preemptions_max: float | None
     server_errors: int
     vram_free_min_bytes: int | None
@@ -149,6 +151,7 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         output_tokens_q3=_must(quantile(tokens, 0.75)),
         output_tokens_mean=_must(mean(tokens)),
         requested_max_tokens=budgets.most_common(1)[0][0] if budgets else None,
+        tokens_counted=sum(1 for r in records if r.tokens_source == "counted"),
         complete=complete,
         completion_rate=complete / len(records),
         stop_counts=dict(Counter(stop_label(r) for r in records).most_common()),
@@ -162,6 +165,7 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         client_disconnects=sum(1 for r in records if r.client_disconnected),
         preempted_responses=sum(1 for p in preemptions if p > 0) if preemptions else None,
         preemptions_max=max(preemptions) if preemptions else None,
+        preemptions_known=len(preemptions),
         server_errors=sum(1 for r in records
                           if r.upstream_error is not None or (r.status is not None and r.status >= 500)),
         vram_free_min_bytes=min(vram) if vram else None,

@@ -29,11 +29,11 @@ def stop_mix(counts: dict[str, int]) -> str:
 def row(summary: LevelSummary) -> tuple[str, ...]:
     """The cells of one level's row, in COLUMNS order."""
     s = summary
-    preempt = "-" if s.preempted_responses is None else f"{s.preempted_responses}/{s.n}"
+    preempt = "-" if s.preempted_responses is None else f"{s.preempted_responses}/{s.preemptions_known}"
     return (
         str(s.level),
         str(s.n),
-        f"{s.output_tokens_median:g} [{s.output_tokens_q1:g}-{s.output_tokens_q3:g}]",
+        f"{'~' if s.tokens_counted else ''}{s.output_tokens_median:g} [{s.output_tokens_q1:g}-{s.output_tokens_q3:g}]",
         f"{s.completion_rate:.0%}",
         f"{seconds(s.ttft_p50_s)}/{seconds(s.ttft_p95_s)}",
         f"{seconds(s.itl_p50_s)}/{seconds(s.itl_p95_s)}",
@@ -46,11 +46,16 @@ def row(summary: LevelSummary) -> tuple[str, ...]:
     )
 
 
+ESTIMATE_NOTE = "~ output tokens counted from content chunks (the server sent no usage): an estimate"
+
+
 def render(summaries: Sequence[LevelSummary]) -> str:
-    """The whole table with a header, columns padded to their widest cell."""
+    """The whole table with a header, columns padded to their widest cell; a note when tokens are estimates."""
     rows = [COLUMNS, *(row(s) for s in summaries)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.rjust(w) if i < len(COLUMNS) - 1 else cell
                        for i, (cell, w) in enumerate(zip(r, widths, strict=True))).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    if any(s.tokens_counted for s in summaries):
+        lines.append(ESTIMATE_NOTE)
     return "\n".join(lines)
