@@ -1,8 +1,9 @@
 """A real Prometheus scraping a real proxy in front of the simulator runs every query we ship.
 
-Three subprocesses on loopback: `python -m proxy simulate`, `python -m proxy serve` in front of it,
-and Prometheus (scrape and rule interval 1s) loading deploy/prometheus/rules with a copy of
-deploy/prometheus/prometheus.yml whose targets point at the two. Load through the proxy includes
+Subprocesses on loopback: `python -m proxy simulate`, two `python -m proxy serve` in front of it
+(one reading the simulator's state as vLLM, one as Ollama: two instances of one job), and
+Prometheus (scrape and rule interval 1s) loading deploy/prometheus/rules with a copy of
+deploy/prometheus/prometheus.yml whose targets point at them. Load through the proxies includes
 answers clamped by the simulator, a 429, a 500, an out-of-memory error event, a stalled stream past
 the proxy's idle timeout and a client that goes away. Then, through Prometheus' HTTP API:
 
@@ -49,7 +50,6 @@ SELECTOR = re.compile(NAME_IN_PROMQL.pattern + r"(\{[^}]*\})?")
 GPU_SERIES = {"llm_proxy_gpu_memory_used_bytes", "llm_proxy_gpu_memory_free_bytes",
               "llm_proxy_gpu_memory_total_bytes", "llm_proxy_gpu_utilization_ratio"}
 MAY_BE_EMPTY = {
-    "llm_proxy_upstream_model_vram_bytes": "read from Ollama's /api/ps; the proxy polls the simulator as vLLM",
     "llm_proxy_parse_errors_total": "the simulator's streams are well formed",
 }
 
@@ -96,7 +96,6 @@ def wait_until(condition: Callable[[], object], what: str, work: Path, timeout_s
 @dataclass
 class Stack:
     prometheus_url: str
-    admin_url: str
 
     def query(self, expr: str) -> dict[str, Any]:
         """The instant query's whole answer, errors included (Prometheus says 400/422 with a JSON body)."""
@@ -114,18 +113,18 @@ class Stack:
         return result
 
 
-def prometheus_config(sim_port: int, admin_port: int) -> dict[str, Any]:
+def prometheus_config(sim_port: int, admin_ports: list[int]) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml with loopback targets, 1s intervals, the rules by absolute path."""
     config: dict[str, Any] = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(ROOT / "deploy/prometheus" / path) for path in config["rule_files"]]
     config.pop("alerting")
-    targets = {"llm-diag-proxy": f"127.0.0.1:{admin_port}", "vllm": f"127.0.0.1:{sim_port}"}
+    targets = {"llm-diag-proxy": [f"127.0.0.1:{port}" for port in admin_ports], "vllm": [f"127.0.0.1:{sim_port}"]}
     jobs = [job for job in config["scrape_configs"] if job["job_name"] in targets]
     assert len(jobs) == 2, "prometheus.yml lost its llm-diag-proxy or vllm job"
     for job in jobs:
         job.pop("dns_sd_configs")
-        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     return {**config, "scrape_configs": jobs}
 
 
@@ -133,10 +132,10 @@ CHAT = {"model": "sim-7b", "messages": [{"role": "user", "content": "Tell me abo
         "max_tokens": 128, "stream": True}
 
 
-async def drive_load(proxy_url: str) -> None:
+async def drive_load(proxy_url: str, ollama_proxy_url: str) -> None:
     """Concurrent answers (the clamp scenario cuts some for length), then one of each fault; twice,
     more than a scrape apart, so every counter grows between two scrapes (a series first seen at 1
-    has no increase that rate() can see)."""
+    has no increase that rate() can see). Ollama-dialect answers go through the second proxy."""
     url = f"{proxy_url}/v1/chat/completions"
     async with aiohttp.ClientSession() as session:
 
@@ -149,9 +148,15 @@ async def drive_load(proxy_url: str) -> None:
             async with session.post(url, json=CHAT, headers={"X-Sim-Fault": "stall_after=2:3"}) as response:
                 await response.content.readany()  # the first chunk, then leave
 
+        async def ollama_answer(seed: int) -> None:
+            body = {"model": "sim-7b", "messages": CHAT["messages"], "options": {"num_predict": 64, "seed": seed}}
+            async with session.post(f"{ollama_proxy_url}/api/chat", json=body) as response:
+                await response.read()
+
         for phase in range(2):
             for round_ in range(2):
-                await asyncio.gather(*(answer(seed=phase * 100 + round_ * 10 + n) for n in range(8)))
+                await asyncio.gather(*(answer(seed=phase * 100 + round_ * 10 + n) for n in range(8)),
+                                     *(ollama_answer(seed=phase * 100 + n) for n in range(2)))
             await asyncio.gather(answer("status=429"), answer("status=500"),
                                  answer("error_after=2:CUDA out of memory"), answer("stall_after=2:1"),
                                  walk_away(), answer(seed=99))
@@ -169,20 +174,30 @@ def proxy_requests_total(admin_url: str) -> float:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("prometheus-stack")
-    sim_port, proxy_port, admin_port, prom_port = free_ports(4)
+    sim_port, proxy_port, admin_port, ollama_port, ollama_admin_port, prom_port = free_ports(6)
+
+    def serve(port: int, admin: int, telemetry: str) -> list[str]:
+        return [sys.executable, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
+                "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}",
+                "--upstream-metrics", telemetry, "--idle-timeout", "0.5", "--log-format", "json"]
+
+    # Two proxies in one job, as two replicas would be: one polls the simulator as vLLM
+    # (/metrics), the other as Ollama (/api/ps), the telemetry of the two compose profiles.
     commands = {
         "simulator": [sys.executable, "-m", "proxy", "simulate", "--listen", f"127.0.0.1:{sim_port}"],
-        "proxy": [sys.executable, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
-                  "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
-                  "--upstream-metrics", "vllm", "--idle-timeout", "0.5", "--log-format", "json"],
+        "proxy": serve(proxy_port, admin_port, "vllm"),
+        "proxy-ollama": serve(ollama_port, ollama_admin_port, "ollama"),
     }
-    (work / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(sim_port, admin_port)))
+    admin_urls = [f"http://127.0.0.1:{admin_port}", f"http://127.0.0.1:{ollama_admin_port}"]
+    (work / "prometheus.yml").write_text(
+        yaml.safe_dump(prometheus_config(sim_port, [admin_port, ollama_admin_port])))
     assert PROMETHEUS is not None
     commands["prometheus"] = [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
                               f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
                               "--log.level=warn"]
     ready = {"simulator": f"http://127.0.0.1:{sim_port}/health",
-             "proxy": f"http://127.0.0.1:{admin_port}/healthz",
+             "proxy": f"{admin_urls[0]}/healthz",
+             "proxy-ollama": f"{admin_urls[1]}/healthz",
              "prometheus": f"http://127.0.0.1:{prom_port}/-/ready"}
     processes: list[subprocess.Popen[bytes]] = []
     try:
@@ -191,10 +206,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             with log.open("wb") as out:
                 processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
             wait_for(ready[name], processes[-1], log)
-        running = Stack(f"http://127.0.0.1:{prom_port}", f"http://127.0.0.1:{admin_port}")
-        wait_until(lambda: len(running.series("up == 1")) == 2, "Prometheus scrapes both targets", work)
-        asyncio.run(drive_load(f"http://127.0.0.1:{proxy_port}"))
-        total = proxy_requests_total(running.admin_url)
+        running = Stack(f"http://127.0.0.1:{prom_port}")
+        wait_until(lambda: len(running.series("up == 1")) == 3, "Prometheus scrapes every target", work)
+        asyncio.run(drive_load(f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{ollama_port}"))
+        total = sum(proxy_requests_total(url) for url in admin_urls)
         wait_until(lambda: running.series(f'sum(llm_proxy_requests_total) == {total}'),
                    f"Prometheus has the proxy's final count ({total:g} responses)", work)
         time.sleep(2.5)  # two rule evaluations on it (evaluation_interval 1s)
@@ -239,7 +254,10 @@ def test_the_load_produced_the_truncations_the_panels_are_about(stack: Stack) ->
     assert {"http_status", "oom"} <= kinds
     assert stack.series('llm_proxy_deadline_hits_total{kind="idle"}')
     assert stack.series('up{job="vllm"} == 1'), "the vllm job does not scrape the simulator's /metrics"
-    assert stack.series('up{job="llm-diag-proxy"} == 1')
+    assert len(stack.series('up{job="llm-diag-proxy"} == 1')) == 2
+    assert stack.series('llm_proxy_upstream_model_vram_bytes'), "the Ollama-polling proxy reads /api/ps"
+    assert {s["metric"]["source"] for s in stack.series("llm_proxy_upstream_telemetry_up == 1")} == {
+        "vllm", "ollama"}
 
 
 def test_every_dashboard_query_returns_data(stack: Stack) -> None:
