@@ -157,13 +157,33 @@ def test_a_budget_below_the_natural_length_ends_with_length_requested() -> None:
     assert out.text != ""  # the last token's text comes with the finish, as vLLM sends it
 
 
-def test_clamp_lowers_only_the_budget_of_the_request_that_does_not_fit() -> None:
-    config = SimulatorConfig(kv_blocks=24, block_size=16, kv_policy="clamp")
+def test_clamp_splits_the_free_blocks_among_the_requests_waiting_for_them() -> None:
+    config = SimulatorConfig(kv_blocks=24, block_size=16, kv_policy="clamp", natural_tokens=300)
+    core = EngineCore(config)
+    for i in range(4):
+        core.submit(spec(f"p{i}", config=config), 0.0)  # arriving together: 6 blocks each
+    finishes = [o.finish for o in run_to_end(core)[0]]
+    assert {(f.reason, f.cause, f.completion_tokens) for f in finishes if f} == \
+        {("length", "length_kv_clamp", 6 * 16 - 22)}
+
+
+def test_clamp_leaves_the_full_budget_while_two_requests_share_the_cache() -> None:
+    config = SimulatorConfig(kv_blocks=24, block_size=16, kv_policy="clamp", natural_tokens=300)
+    core = EngineCore(config)
+    for i in range(2):
+        core.submit(spec(f"p{i}", config=config), 0.0)
+    finishes = [o.finish for o in run_to_end(core)[0]]
+    assert {(f.cause, f.completion_tokens) for f in finishes if f} == {("length_requested", MAX_TOKENS)}
+
+
+def test_clamp_gives_a_late_request_what_the_others_left() -> None:
+    config = SimulatorConfig(kv_blocks=24, block_size=16, kv_policy="clamp", natural_tokens=300)
     core = EngineCore(config)
     for i in range(3):
         core.submit(spec(f"p{i}", config=config), 0.0)  # 22 + 128 tokens = 10 blocks each
+        core.step(0.0)
     finishes = {o.seq_id: o.finish for o in run_to_end(core)[0]}
-    assert finishes[1].cause == finishes[2].cause == "eos"  # type: ignore[union-attr]
+    assert finishes[1].cause == finishes[2].cause == "length_requested"  # type: ignore[union-attr]
     third = finishes[3]
     assert third is not None and third.cause == "length_kv_clamp" and third.reason == "length"
     assert third.completion_tokens == 4 * 16 - 22  # the 4 blocks that were left
@@ -174,10 +194,25 @@ def test_clamp_makes_a_request_wait_when_not_one_token_fits() -> None:
     core = EngineCore(config)
     for i in range(3):
         core.submit(spec(f"p{i}", config=config), 0.0)
-    core.step(0.0)
+        core.step(0.0)
     assert (core.num_running, core.num_waiting) == (2, 1)
     finished, _ = run_to_end(core)
     assert len(finished) == 3
+
+
+@pytest.mark.parametrize("prompt_tokens", [5, 16, 31, 48, 64])
+@pytest.mark.parametrize("prompt", ["a", "b", "c"])
+def test_the_kv_presets_show_their_effect_for_any_short_prompt(prompt_tokens: int, prompt: str) -> None:
+    """As the sweep sends them: one prompt for every request, so every answer is alike."""
+    for name in ("clamp", "reject", "deadline"):
+        cut = [any(o.finish is None or o.finish.cause != "eos"
+                   for o in run_closed_loop(SCENARIOS[name], c, 2, prompt_tokens, prompt=prompt))
+               for c in (1, 2, 4, 8)]
+        assert cut == [False, False, True, True], name
+    preempted = [sum(o.finish.preemptions for o in run_closed_loop(SCENARIOS["preempt"], c, 2, prompt_tokens,
+                                                                   prompt=prompt) if o.finish)
+                 for c in (1, 2, 4, 8)]
+    assert preempted[:2] == [0, 0] and min(preempted[2:]) > 0
 
 
 def test_reject_refuses_at_submission_with_the_configured_status() -> None:

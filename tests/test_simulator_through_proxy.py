@@ -115,7 +115,7 @@ async def test_the_hidden_deadline_looks_like_eos_with_short_answers(setup: Setu
     assert setup.sim.engine.counters.finished_by_cause == {"deadline": 2}
 
 
-@pytest.mark.parametrize("setup", [configured("preempt", kv_blocks=8)], indirect=True)
+@pytest.mark.parametrize("setup", [configured("preempt")], indirect=True)
 async def test_preempted_answers_still_end_eos(setup: Setup) -> None:
     await setup.chats(4)
     records = await setup.records(4)

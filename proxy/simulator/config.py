@@ -15,16 +15,16 @@ KV_POLICIES: tuple[str, ...] = KvPolicy.__args__  # type: ignore[attr-defined]
 class SimulatorConfig:
     """Everything the simulated server does; the defaults are the `clamp` scenario.
 
-    Sized for the demo: max_tokens around 128 and prompts under ~100 tokens. With the defaults
-    1-2 concurrent answers end on their own (`stop`) and from 4 up some end `length` early.
+    Sized for the demo: max_tokens 128, prompts of 5-64 tokens, natural answers of 101-123 tokens.
+    With the defaults 1-2 concurrent answers end on their own (`stop`); from 4 they end `length`.
     """
 
     model: str = "sim-7b"
     token_time_s: float = 0.004  # decode step of a batch of one
     batch_slowdown: float = 0.3  # step = token_time * (1 + batch_slowdown * (batch - 1))
     prefill_time_per_token_s: float = 0.0001
-    natural_tokens: int = 80  # mean length of an answer that ends on its own (EOS)
-    natural_spread: float = 0.25  # natural lengths are uniform in mean * (1 -/+ spread)
+    natural_tokens: int = 112  # mean length of an answer that ends on its own (EOS)
+    natural_spread: float = 0.1  # natural lengths are uniform in mean * (1 -/+ spread): 101-123
     seed: int = 0  # used when a request has no seed of its own
     kv_blocks: int = 24  # KV-cache blocks shared by all sequences; 0 = unlimited
     block_size: int = 16  # tokens per block
@@ -79,19 +79,20 @@ _BASE = SimulatorConfig()
 # One preset per mechanism; docs/simulator.md says which stop reason each produces, and from
 # which concurrency (for max_tokens=128 and a short prompt).
 SCENARIOS: dict[str, SimulatorConfig] = {
-    # Reserve prompt+max_tokens per request; a new request gets what is left: `length` early from 4.
+    # Each request reserves prompt+max_tokens; requests waiting together split the free blocks and
+    # get their share as budget: `length` below max_tokens from 4 (two full ones fit).
     "clamp": _BASE,
     # Blocks are allocated as sequences grow; when none are left the newest is paused and later
     # recomputed: answers still end `stop`, but take longer from 4.
-    "preempt": replace(_BASE, kv_policy="preempt", kv_blocks=16),
+    "preempt": replace(_BASE, kv_policy="preempt"),
     # Requests whose reservation does not fit are refused with 503 and a JSON error: from 4.
     "reject": replace(_BASE, kv_policy="reject"),
     # llama.cpp --parallel 4 with -c 384: each slot has 96 tokens; long answers end `length` at
     # every concurrency (the split is static), and requests beyond 4 wait for a slot.
     "slots": replace(_BASE, kv_blocks=0, kv_policy="none", slots=4, ctx_size=384),
-    # A hidden 0.55 s server deadline: the answer ends `stop` as if complete; from 4 the batch is
+    # A hidden 0.85 s server deadline: the answer ends `stop` as if complete; from 4 the batch is
     # slow enough that many are cut short.
-    "deadline": replace(_BASE, kv_blocks=0, kv_policy="none", deadline_s=0.55),
+    "deadline": replace(_BASE, kv_blocks=0, kv_policy="none", deadline_s=0.85, batch_slowdown=0.5),
     # Nothing runs out: every answer ends on its own at every concurrency.
     "healthy": replace(_BASE, kv_blocks=0, kv_policy="none"),
 }

@@ -119,6 +119,18 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def clamp_grant(prompt_tokens: int, limit: int, free_blocks: int, sharers: int, block_size: int) -> int:
+    """Tokens the `clamp` policy lets a new request generate: an equal share of the free blocks
+    for each request waiting for them, but never less than one block's worth (fewer sharers
+    then; 0 means wait), so no answer is cut to a token or two."""
+    least = min(limit, block_size)
+    for n in range(max(1, sharers), 0, -1):
+        grant = (free_blocks // n) * block_size - prompt_tokens
+        if grant >= least:
+            return grant
+    return 0
+
+
 @dataclass(slots=True)
 class EngineCounters:
     """Cumulative counters, read by the /metrics collector."""
@@ -236,8 +248,12 @@ class EngineCore:
             if len(self._running) >= cfg.max_num_seqs or (cfg.slots and len(self._running) >= cfg.slots):
                 return
             if capacity is not None and cfg.kv_policy == "clamp" and not seq.reserved:
-                free_tokens = (cfg.kv_blocks - self._used_blocks) * cfg.block_size
-                grant = free_tokens - seq.spec.prompt_tokens
+                room = cfg.max_num_seqs - len(self._running)
+                if cfg.slots:
+                    room = min(room, cfg.slots - len(self._running))
+                sharers = min(room, sum(1 for s in self._waiting if not s.reserved))
+                grant = clamp_grant(seq.spec.prompt_tokens, seq.limit, cfg.kv_blocks - self._used_blocks,
+                                    sharers, cfg.block_size)
                 if grant < 1:
                     return  # wait until a running sequence frees its blocks
                 if grant < seq.limit:

@@ -32,9 +32,11 @@ def spec_for(config: SimulatorConfig, prompt: str, prompt_tokens: int, max_token
 
 
 def run_closed_loop(config: SimulatorConfig, concurrency: int, requests_per_client: int,
-                    prompt_tokens: int = 22, max_tokens: int | None = 128) -> list[Outcome]:
+                    prompt_tokens: int = 22, max_tokens: int | None = 128,
+                    prompt: str | None = None) -> list[Outcome]:
     """`concurrency` clients each send `requests_per_client` requests one after another, all
-    starting at t=0; prompts differ per request so natural lengths vary like real ones."""
+    starting at t=0. Without `prompt` every request has its own, so natural lengths vary like
+    real ones; with it, all send the same (as the sweep does), so all answers are alike."""
     core = EngineCore(config)
     now = 0.0
     outcomes: list[Outcome] = []
@@ -47,7 +49,7 @@ def run_closed_loop(config: SimulatorConfig, concurrency: int, requests_per_clie
         while remaining[client] > 0:
             remaining[client] -= 1
             counter += 1
-            result = core.submit(spec_for(config, f"prompt {counter}", prompt_tokens, max_tokens), now)
+            result = core.submit(spec_for(config, prompt or f"prompt {counter}", prompt_tokens, max_tokens), now)
             if isinstance(result, Rejected):
                 outcomes.append(Outcome(None, result, 0.0))
                 continue  # a rejected client sends its next request at once
