@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -86,3 +87,14 @@ def test_demo_bad_flag_is_one_line_and_exit_2() -> None:
     result = demo("--scenario", "nonsense")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "invalid choice: 'nonsense'" in result.stderr
+
+
+def test_demo_on_a_busy_port_is_one_line_and_exit_2() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = demo("--listen", f"127.0.0.1:{port}", "--no-progress")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("llm-diag-proxy: error: cannot start the proxy: ")
+    assert "address already in use" in result.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.sweep.stats import (
     bootstrap_mean_difference,
@@ -115,3 +117,38 @@ def test_summaries_come_lowest_level_first() -> None:
 def test_summary_of_no_responses_is_an_error() -> None:
     with pytest.raises(ValueError, match="no responses"):
         summarize_level(2, [])
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=30), st.floats(0, 1), st.floats(0, 1))
+def test_quantile_lies_within_the_data_and_grows_with_q(values: list[float], q1: float, q2: float) -> None:
+    low, high = sorted((q1, q2))
+    a, b = quantile(values, low), quantile(values, high)
+    assert a is not None and b is not None
+    assert min(values) <= a <= b <= max(values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=12), st.lists(st.integers(0, 500), min_size=1,
+       max_size=12), st.integers(-100, 100))
+def test_bootstrap_interval_is_ordered_and_shifts_with_the_data(a: list[int], b: list[int], shift: int) -> None:
+    base = bootstrap_mean_difference([float(x) for x in a], [float(x) for x in b], resamples=200)
+    moved = bootstrap_mean_difference([float(x) for x in a], [float(x + shift) for x in b], resamples=200)
+    assert base is not None and moved is not None
+    assert base.low <= base.high
+    assert moved.estimate == pytest.approx(base.estimate + shift, abs=1e-6)
+    assert moved.low == pytest.approx(base.low + shift, abs=1e-6)
+    assert moved.high == pytest.approx(base.high + shift, abs=1e-6)
+
+
+STOPS = ("eos", "stop_sequence", "length", "deadline", "rejected", "upstream_error", "client_disconnect")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(STOPS), st.integers(0, 300) | st.none()), min_size=1, max_size=20))
+def test_a_level_summary_accounts_for_every_response(responses: list[tuple[str, int | None]]) -> None:
+    samples = [sample(2, i, stop=stop, tokens=tokens) for i, (stop, tokens) in enumerate(responses)]
+    s = summarize_level(2, samples)
+    assert s.n == len(responses) == sum(s.stop_counts.values())
+    assert s.complete == sum(1 for stop, _ in responses if stop in ("eos", "stop_sequence"))
+    assert s.completion_rate == s.complete / s.n
+    assert s.output_tokens_q1 <= s.output_tokens_median <= s.output_tokens_q3

@@ -28,7 +28,8 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     position = (len(ordered) - 1) * min(max(q, 0.0), 1.0)
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    value = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return min(max(value, ordered[low]), ordered[high])  # rounding must not step outside the pair
 
 
 def median(values: Sequence[float]) -> float | None:
