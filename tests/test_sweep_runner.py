@@ -12,7 +12,9 @@ import pytest
 from proxy.app import RunningProxy
 from proxy.sweep.runner import SweepError, SweepPlan, request_body, run_level, run_sweep
 from tests.conftest import ProxyFactory
+from tests.scripted_upstream import Script, ScriptedUpstream
 from tests.sweep_upstream import LoadUpstream, running_load
+from tests.wire import openai_stream
 
 
 @pytest.fixture
@@ -142,3 +144,12 @@ async def test_a_request_the_target_refuses_stops_the_sweep_with_its_error(load:
     load.missing_model = True
     with pytest.raises(SweepError, match=re.escape(message) + ".*model 'm' not found.*check --model"):
         await run_sweep(plan(load.url, dialect="ollama", warmup=1))
+
+
+async def test_a_stream_cut_mid_way_is_an_upstream_disconnect(upstream: ScriptedUpstream) -> None:
+    upstream.push(Script(chunks=[b"up"], headers={"Content-Type": "text/plain"}),  # the reachability probe
+                  Script(chunks=openai_stream(8)[:4], end="reset"))
+    samples = await run_sweep(plan(upstream.url, levels=(1,), repeats=1))
+    record = samples[0].record
+    assert (record.stop_reason, record.output_tokens, record.tokens_source) == ("upstream_disconnect", 3, "counted")
+    assert samples[0].client.error is not None and "connection broke" in samples[0].client.error

@@ -143,6 +143,9 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
                 async for chunk in response.content.iter_any():
                     observation.feed(chunk, time.monotonic() - t0)
                 observation.close(time.monotonic() - t0)
+    except aiohttp.ServerTimeoutError as exc:  # aiohttp's own connect timeout, not the sweep's --timeout
+        error = f"cannot connect: {exc}"[:300]
+        flags["connect_error"] = "timeout"
     except TimeoutError:
         error = f"no complete response within --timeout {plan.timeout_s:g}s; the client gave up"
         flags["client_gone"] = True
@@ -204,6 +207,8 @@ async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples:
                                            headers=headers) as response:
                         if response.status == 200:
                             data = await response.json(loads=orjson.loads)
+                            if not isinstance(data, dict):
+                                raise TypeError("the record is not a JSON object")
                             sample.record = ResponseRecord(
                                 **{k: v for k, v in data.items() if k in RECORD_FIELDS})
                             sample.record_source = "proxy"
