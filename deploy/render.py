@@ -179,7 +179,7 @@ def panels() -> list[dict[str, Any]]:
 
 def variable(name: str, label: str, query: str) -> dict[str, Any]:
     return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-            "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
+            "query": query, "definition": query,
             "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
 

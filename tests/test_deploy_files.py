@@ -132,7 +132,7 @@ def test_dashboard_and_rules_name_only_metrics_the_proxy_exports_or_rules_record
     recorded = {rule["record"] for rule in rules() if "record" in rule}
     expressions = [expr for _, expr in render.dashboard_expressions(render.dashboard())]
     expressions += [rule["expr"] for rule in rules()]
-    expressions += [v["query"]["query"] for v in render.dashboard()["templating"]["list"] if v["type"] == "query"]
+    expressions += [v["query"] for v in render.dashboard()["templating"]["list"] if v["type"] == "query"]
     unknown = {name for expr in expressions for name in names_in(expr)} - exported - recorded - {"up"}
     assert not unknown, f"not exported by proxy/metrics.py nor recorded: {sorted(unknown)}"
 

@@ -265,7 +265,7 @@ def test_every_dashboard_query_returns_data(stack: Stack) -> None:
     board = render.dashboard()
     queries = [(f"panel {title!r}", for_prometheus(expr)) for title, expr in render.dashboard_expressions(board)]
     queries += [(f"variable {v['name']!r}", for_prometheus(re.sub(r"^label_values\((.*), \w+\)$", r"\1",
-                                                                    v["query"]["query"])))
+                                                                    v["query"])))
                 for v in board["templating"]["list"] if v["type"] == "query"]
     empty = []
     for where, expr in queries:
