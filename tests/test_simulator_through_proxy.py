@@ -138,3 +138,16 @@ async def test_fault_knobs_give_the_proxy_each_failure(setup: Setup, fault: str,
     await setup.chats(1, fault=fault)
     (record,) = await setup.records(1)
     assert record["stop_reason"] == stop_reason and record["upstream_error"] == error_kind
+
+
+async def test_a_stall_longer_than_the_idle_timeout_is_an_idle_timeout() -> None:
+    sim = await start_simulator(FAULTS)
+    proxy = await start_proxy(proxy_config(sim.url, idle_timeout_s=0.2, deadline_mode="enforce"))
+    setup = Setup(sim, proxy)
+    try:
+        await setup.chats(1, fault="stall_after=3:1.0")
+        (record,) = await setup.records(1)
+    finally:
+        await proxy.close()
+        await sim.close()
+    assert record["stop_reason"] == "idle_timeout" and record["deadline_hit"] == "idle"

@@ -4,6 +4,7 @@ aiohttp where the exact bytes matter), against a real simulator on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -228,3 +229,24 @@ async def test_a_client_that_goes_away_frees_its_sequence() -> None:
     idle, aborted = sim.engine.idle, sim.engine.counters.aborted
     await sim.close()
     assert idle and aborted == 1
+
+
+async def test_a_client_that_leaves_a_whole_answer_frees_its_sequence() -> None:
+    sim = await start_simulator(replace(FAST, natural_tokens=100_000))
+    async with aiohttp.ClientSession() as session:
+        with contextlib.suppress(TimeoutError):
+            await session.post(f"{sim.url}/v1/completions", json={"prompt": "x"},
+                               timeout=aiohttp.ClientTimeout(total=0.2))
+    for _ in range(200):
+        if sim.engine.idle:
+            break
+        await asyncio.sleep(0.01)
+    idle, aborted = sim.engine.idle, sim.engine.counters.aborted
+    await sim.close()
+    assert idle and aborted == 1
+
+
+async def test_stream_options_without_stream_is_a_400_as_in_vllm(sim: RunningSimulator) -> None:
+    status, _, raw = await raw_post(f"{sim.url}/v1/chat/completions",
+                                    {"messages": MESSAGES, "stream_options": {"include_usage": True}})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "stream_options"

@@ -68,9 +68,9 @@ def parse_request(kind: Kind, body: Any, served_model: str) -> GenerationRequest
         budget = optional_int(body, "max_tokens", 1)
     stream = optional_bool(body, "stream", False)
     options = body.get("stream_options")
-    include_usage = False
-    if stream and isinstance(options, dict):
-        include_usage = optional_bool(options, "include_usage", False)
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise WireError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+    include_usage = optional_bool(options, "include_usage", False) if options else False
     return GenerationRequest(
         model=served_model, prompt_text=prompt_text, prompt_tokens=prompt_tokens, requested_tokens=budget,
         num_ctx=None, seed=optional_int(body, "seed"), stop=stop_strings(body.get("stop")),

@@ -144,6 +144,8 @@ async def _whole_response(request: web.Request, fmt: WireFormat, stream: Sequenc
                           progress: _Progress) -> web.StreamResponse:
     parts: list[str] = []
     async for output in _outputs(stream, progress):
+        if request.transport is None or request.transport.is_closing():
+            return web.Response(status=499)  # the client left: never sent; the caller frees the sequence
         fault = await _fault_before_output(request, faults, progress)
         if fault == "cut":
             cut_connection(request)
