@@ -45,6 +45,7 @@ def load_script(path: Path) -> ModuleType:
 
 
 render = load_script(ROOT / "deploy/render.py")
+alert_cases = load_script(ROOT / "tests/promtool/build_alert_cases.py")
 healthcheck = load_script(ROOT / "deploy/healthcheck.py")
 
 
@@ -171,6 +172,11 @@ def test_every_panel_an_alert_points_to_exists_on_the_dashboard() -> None:
         panels = set(re.findall(r'"([^"]+)"', alert["annotations"]["description"]))
         assert panels, f"{alert['alert']} names no dashboard panel"
         assert panels <= titles, f"{alert['alert']}: no such panels {panels - titles}"
+
+
+def test_promtool_alert_cases_are_up_to_date_with_the_rules() -> None:
+    assert alert_cases.OUTPUT.read_text() == alert_cases.rendered(), (
+        "tests/promtool/alerts_test.yml is stale: run python tests/promtool/build_alert_cases.py")
 
 
 def test_every_alert_has_promtool_tests_that_fire_and_that_do_not() -> None:
