@@ -19,16 +19,15 @@ from typing import Any
 import aiohttp
 
 from tests.llamacpp.llama_server import REPO_ROOT, LlamaServer
-from tests.llamacpp.make_tiny_gguf import EOS_ID, write_tiny_gguf
+from tests.llamacpp.make_tiny_gguf import write_tiny_gguf
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "llamacpp"
 CTX, PARALLEL = 1024, 4  # 256 tokens per slot on the split server
 PROMPT = "Tell me about llamas."
-# Greedy decoding and a fixed seed: the tiny model's noise is the same on every run.
+# Greedy decoding and a fixed seed: the same text on every run.
 GREEDY: dict[str, Any] = {"temperature": 0, "seed": 42}
-# Forces EOS as the first token (the tiny model never samples it on its own).
-FORCE_EOS = {"logit_bias": [[EOS_ID, 1000.0]]}
-STOP_WORD_PROBE_TOKENS = 12
+EOS_AFTER = 40  # the EOS model's chat answers: 40 characters, then EOS
+STOP_WORD = "klm"  # the model writes "abcdefghijklm..." (see make_tiny_gguf.CYCLE)
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def native(n_predict: int, stream: bool, **extra: Any) -> dict[str, Any]:
     return {"prompt": PROMPT, "n_predict": n_predict, "stream": stream, **GREEDY, **extra}
 
 
-async def capture_all(split: LlamaServer, unified: LlamaServer) -> dict[str, Any]:
+async def capture_all(split: LlamaServer, unified: LlamaServer, eos: LlamaServer) -> dict[str, Any]:
     index: dict[str, Any] = {}
     # A fresh connection per request: llama-server closes the connection after a streamed
     # response although it answers `Keep-Alive`, so a pooled connection can be dead on reuse.
@@ -76,7 +75,7 @@ async def capture_all(split: LlamaServer, unified: LlamaServer) -> dict[str, Any
                 "method": "POST",
                 "path": path,
                 "request": body,
-                "server": {"ctx_size": server.ctx_size, "parallel": server.parallel,
+                "server": {"model": server.model.name, "ctx_size": server.ctx_size, "parallel": server.parallel,
                            "slot_ctx": server.slot_ctx, "extra_args": list(server.extra_args)},
                 "status": got.status,
                 "content_type": got.content_type,
@@ -88,28 +87,16 @@ async def capture_all(split: LlamaServer, unified: LlamaServer) -> dict[str, Any
             # A length stop at the requested budget, then one at the slot's context (budget 400 > 256).
             await save(f"chat_{kind}_budget", split, "/v1/chat/completions", chat(8, stream))
             await save(f"chat_{kind}_slot_limit", split, "/v1/chat/completions", chat(400, stream))
-            await save(f"chat_{kind}_eos", split, "/v1/chat/completions", chat(8, stream, **FORCE_EOS))
+            await save(f"chat_{kind}_eos", eos, "/v1/chat/completions", chat(400, stream))
             await save(f"completions_{kind}_budget", split, "/v1/completions",
                        {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": stream, **GREEDY})
             await save(f"completion_{kind}_budget", split, "/completion", native(8, stream))
             await save(f"completion_{kind}_slot_limit", split, "/completion", native(400, stream))
-            await save(f"completion_{kind}_eos", split, "/completion", native(8, stream, **FORCE_EOS))
+            await save(f"completion_{kind}_eos", eos, "/completion", native(400, stream))
+            await save(f"chat_{kind}_stop_word", split, "/v1/chat/completions", chat(40, stream, stop=[STOP_WORD]))
+            await save(f"completion_{kind}_stop_word", split, "/completion", native(80, stream, stop=[STOP_WORD]))
         await save("chat_stream_budget_usage", split, "/v1/chat/completions",
                    chat(8, True, stream_options={"include_usage": True}))
-
-        # A stop word: two characters from the middle of what sampling with a fixed seed
-        # produces (greedy output of the tiny model is one repeated character), so it is
-        # sure to be generated, after some content.
-        sampled = {"temperature": 1.0, "seed": 7}
-        for path, body in (("/completion", native(STOP_WORD_PROBE_TOKENS, False, **sampled)),
-                           ("/v1/chat/completions", chat(STOP_WORD_PROBE_TOKENS, False, **sampled))):
-            probe = json.loads((await post_raw(session, split.url + path, body)).body)
-            text = probe["content"] if path == "/completion" else probe["choices"][0]["message"]["content"]
-            word = text[6:8]
-            name = "completion" if path == "/completion" else "chat"
-            for stream in (False, True):
-                kind = "stream" if stream else "nonstream"
-                await save(f"{name}_{kind}_stop_word", split, path, {**body, "stream": stream, "stop": [word]})
 
         # A prompt larger than one slot: refused before generation.
         await save("chat_nonstream_prompt_exceeds_slot", split, "/v1/chat/completions",
@@ -130,7 +117,7 @@ async def capture_all(split: LlamaServer, unified: LlamaServer) -> dict[str, Any
             index[f"{name}{suffix}"] = {
                 "method": "POST", "path": "/v1/chat/completions", "request": body,
                 "concurrent_requests": PARALLEL,
-                "server": {"ctx_size": unified.ctx_size, "parallel": unified.parallel,
+                "server": {"model": unified.model.name, "ctx_size": unified.ctx_size, "parallel": unified.parallel,
                            "slot_ctx": unified.slot_ctx, "extra_args": list(unified.extra_args)},
                 "status": failed[0].status, "content_type": failed[0].content_type,
             }  # fmt: skip
@@ -141,18 +128,25 @@ async def main_async() -> None:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_gguf(Path(tmp) / "tiny.gguf")
-        split = LlamaServer(model, CTX, PARALLEL)
-        unified = LlamaServer(model, CTX, PARALLEL, ("--kv-unified",))
-        split.start(Path(tmp) / "split.log")
+        eos_model = write_tiny_gguf(Path(tmp) / "tiny-eos.gguf", eos_after=EOS_AFTER)
+        servers = {
+            "split": LlamaServer(model, CTX, PARALLEL),
+            "unified": LlamaServer(model, CTX, PARALLEL, ("--kv-unified",)),
+            "eos": LlamaServer(eos_model, 512, 1),
+        }
         try:
-            unified.start(Path(tmp) / "unified.log")
-            try:
-                index = await capture_all(split, unified)
-            finally:
-                unified.stop()
+            for name, server in servers.items():
+                server.start(Path(tmp) / f"{name}.log")
+            index = await capture_all(servers["split"], servers["unified"], servers["eos"])
         finally:
-            split.stop()
-    meta = {"llama_server_version": split.version(), "model": "tests/llamacpp/make_tiny_gguf.py", "files": index}
+            for server in servers.values():
+                server.stop()
+        split = servers["split"]
+    meta = {
+        "llama_server_version": split.version(),
+        "model": "tests/llamacpp/make_tiny_gguf.py (the EOS fixtures: --eos-after 40)",
+        "files": index,
+    }
     (FIXTURES / "index.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     print(f"wrote {len(index)} fixtures to {FIXTURES}")
 

@@ -19,12 +19,23 @@ SKIP_REASON = (
     "(about 25 minutes on 2 cores) or set LLAMA_SERVER_BIN"
 )
 # Slot geometry the tests rely on. With an explicit --parallel, this llama.cpp splits the KV
-# cache: each slot gets ctx_size / parallel tokens (non-unified KV, see server-context.cpp).
+# cache: each slot gets ctx_size / parallel tokens, rounded up to a multiple of 256 (non-unified
+# KV, src/llama-context.cpp), so no slot is smaller than 256. With --kv-unified every slot may
+# use all of it, and the slots share it.
 SPLIT_CTX, SPLIT_PARALLEL = 1024, 4  # 256 tokens per slot
 SLOT_CTX = SPLIT_CTX // SPLIT_PARALLEL
-
-
-SERVER_FIXTURES = frozenset({"tiny_model", "split_server", "single_server", "unified_server", "long_server"})
+# The model that ends its chat answers with EOS after EOS_AFTER characters, asked with a prompt
+# of EOS_PROMPT_TOKENS: an answer needs 227 + 41 = 268 tokens of context to complete.
+EOS_AFTER = 40
+EOS_PROMPT = ("Tell me about llamas. " * 8).strip()
+EOS_PROMPT_TOKENS = 227  # BOS + the ChatML frame (51 characters) + 175 characters
+EOS_SINGLE_CTX = 512  # one slot of 512: completes
+EOS_SPLIT_CTX = 1024  # four slots of 256: each answer cut after 29 tokens, concurrent or not
+EOS_UNIFIED_CTX = 512  # one pool for 4 slots: one answer fits, two (536) do not
+SERVER_FIXTURES = frozenset({
+    "tiny_model", "eos_model", "split_server", "long_server", "eos_single_server", "eos_split_server",
+    "eos_unified_server",
+})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,8 +54,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random llama GGUF, written once per session."""
+    """The tiny llama GGUF that never samples EOS, written once per session."""
     return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def eos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model, but every chat answer ends on its own (EOS) after EOS_AFTER characters."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny-eos.gguf", eos_after=EOS_AFTER)
 
 
 def _server(
@@ -60,20 +77,32 @@ def _server(
 
 @pytest.fixture(scope="session")
 def split_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaServer]:
-    """4 slots sharing a 1024-token context: each slot holds 256 tokens."""
+    """Never EOS; 4 slots sharing a 1024-token context: each slot holds 256 tokens."""
     yield from _server(tmp_path_factory, tiny_model, "split", SPLIT_CTX, SPLIT_PARALLEL)
 
 
 @pytest.fixture(scope="session")
-def single_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaServer]:
-    """The same 1024-token context in one slot: the baseline a request has alone."""
-    yield from _server(tmp_path_factory, tiny_model, "single", SPLIT_CTX, 1)
+def long_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaServer]:
+    """Never EOS; one slot with the model's whole 32768-token context: a stream to walk away from."""
+    yield from _server(tmp_path_factory, tiny_model, "long", 32768, 1)
 
 
 @pytest.fixture(scope="session")
-def unified_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaServer]:
-    """4 slots drawing on one unified 1024-token KV pool: only concurrency can exhaust it."""
-    yield from _server(tmp_path_factory, tiny_model, "unified", SPLIT_CTX, SPLIT_PARALLEL, "--kv-unified")
+def eos_single_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
+    """Answers end on their own; one slot of 512 tokens: room to complete."""
+    yield from _server(tmp_path_factory, eos_model, "eos-single", EOS_SINGLE_CTX, 1)
+
+
+@pytest.fixture(scope="session")
+def eos_split_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
+    """Answers end on their own; 1024 split into 4 slots of 256: too small to complete."""
+    yield from _server(tmp_path_factory, eos_model, "eos-split", EOS_SPLIT_CTX, 4)
+
+
+@pytest.fixture(scope="session")
+def eos_unified_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
+    """Answers end on their own; 4 slots drawing on one 512-token pool: one fits, two do not."""
+    yield from _server(tmp_path_factory, eos_model, "eos-unified", EOS_UNIFIED_CTX, 4, "--kv-unified")
 
 
 @pytest.fixture
@@ -99,9 +128,3 @@ async def proxy_for() -> AsyncIterator[object]:
     yield start
     for running in reversed(started):
         await running.close()  # type: ignore[attr-defined]
-
-
-@pytest.fixture(scope="session")
-def long_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaServer]:
-    """One slot with the model's whole 32768-token context: a stream long enough to walk away from."""
-    yield from _server(tmp_path_factory, tiny_model, "long", 32768, 1)

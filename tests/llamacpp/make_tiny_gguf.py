@@ -1,16 +1,22 @@
-"""Write a tiny random-weight llama-architecture GGUF that llama-server loads and runs on a CPU.
+"""Write a tiny llama-architecture GGUF that llama-server loads and runs on a CPU, made here.
 
-The model is made here, not downloaded: 2 layers, 64-wide, a 354-token vocabulary, fixed
-seed, about 0.6 MB. Its text is noise, but its stop behaviour is designed:
+2 layers, 64-wide, a 354-token vocabulary, fixed seed, about 0.5 MB, no download. The weights
+are random except for what makes its behaviour exact:
 
 * Every prompt character is one token (each printable ASCII character is a vocabulary entry),
   so prompt sizes in tokens are exact and tests can fill a slot's context on purpose.
+* It writes the 60-character cycle `CYCLE` ("abc...xyzABC...XYZ01234567abc..."): each cycle
+  character's embedding is an orthonormal direction, and the output row of its successor reads
+  that direction (a bigram chain carried by the residual stream). A chat answer starts at "a",
+  since the chat prompt ends in "\n", which leads to "a" too.
 * It never samples EOS, BOS, UNK or a raw byte token: dimension 0 of the residual stream is a
   constant (the embeddings carry it, no layer writes to it), and the output rows of those
   tokens weigh it strongly negative. A response therefore ends only at `max_tokens`, at a
   stop word, or when the slot's context is full, never by chance.
+* Unless `eos_after=K` is given: then EOS follows the K-th cycle character, so every chat
+  answer ends on its own after exactly K characters (K + 1 tokens with the EOS).
 
-Run: `python tests/llamacpp/make_tiny_gguf.py OUT.gguf`.
+Run: `python tests/llamacpp/make_tiny_gguf.py OUT.gguf [--eos-after K]`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ N_CTX_TRAIN = 32768  # room for one long stream (the disconnect test)
 RMS_EPS = 1e-5
 # Output weight on the constant dimension for tokens that must never be sampled.
 FORBIDDEN_LOGIT_WEIGHT = -40.0
+CHAIN_WEIGHT = 3.0  # how strongly a cycle character predicts its successor
+CYCLE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_BYTE_ID = 3  # <0x00>..<0xFF> follow: SPM needs them (llama.cpp finds '\n' as <0x0A>)
@@ -73,21 +81,36 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Random weights, in numpy (out, in) layout, with dimension 0 kept constant."""
+def token_id(char: str) -> int:
+    """The id of a printable character, or of a byte token for anything else (as SPM falls back)."""
+    if char in PRINTABLE:
+        return FIRST_CHAR_ID + PRINTABLE.index(char)
+    return FIRST_BYTE_ID + ord(char)
+
+
+def tensors(rng: np.random.Generator, eos_after: int | None = None) -> dict[str, np.ndarray]:
+    """The weights, in numpy (out, in) layout: random, plus the constant dimension and the chain."""
 
     def normal(*shape: int, std: float = 0.02) -> np.ndarray:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
 
     head_dim = N_EMBD // N_HEAD
     out: dict[str, np.ndarray] = {}
-    embd = normal(N_VOCAB, N_EMBD, std=0.05)
+    # Directions in dimensions 1..63: orthonormal for "\n" and the cycle (no cross-talk on the
+    # chain), random unit vectors for every other token.
+    directions = rng.normal(size=(N_VOCAB, N_EMBD - 1))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    chained = [token_id("\n")] + [token_id(c) for c in CYCLE]
+    basis, _ = np.linalg.qr(rng.normal(size=(N_EMBD - 1, len(chained))))
+    directions[chained] = basis.T
+    embd = np.zeros((N_VOCAB, N_EMBD), dtype=np.float32)
     embd[:, 0] = 1.0  # the constant dimension
+    embd[:, 1:] = directions
     out["token_embd.weight"] = embd
     for i in range(N_LAYER):
-        attn_out = normal(N_EMBD, N_EMBD)
+        attn_out = normal(N_EMBD, N_EMBD, std=0.005)
         attn_out[0, :] = 0.0  # no layer writes the constant dimension
-        ffn_down = normal(N_EMBD, N_FF)
+        ffn_down = normal(N_EMBD, N_FF, std=0.005)
         ffn_down[0, :] = 0.0
         out[f"blk.{i}.attn_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
         out[f"blk.{i}.attn_q.weight"] = normal(N_EMBD, N_EMBD, std=0.2)
@@ -99,18 +122,27 @@ def tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
         out[f"blk.{i}.ffn_up.weight"] = normal(N_FF, N_EMBD, std=0.2)
         out[f"blk.{i}.ffn_down.weight"] = ffn_down
     out["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
-    output = normal(N_VOCAB, N_EMBD, std=0.5)
+    output = normal(N_VOCAB, N_EMBD)
     output[:, 0] = 0.0
     output[:FIRST_CHAR_ID - 1, 0] = FORBIDDEN_LOGIT_WEIGHT  # unk, bos, eos and the 256 byte tokens
+    # The chain: "\n" -> "a" -> "b" ... -> "7" -> "a".
+    successors = [*chained[1:], chained[1]]
+    for current, successor in zip(chained, successors, strict=True):
+        output[successor, 1:] += CHAIN_WEIGHT * directions[current]
+    if eos_after is not None:
+        if not 1 <= eos_after <= len(CYCLE):
+            raise ValueError(f"eos_after must be 1 to {len(CYCLE)}")
+        output[EOS_ID, 0] = 0.0
+        output[EOS_ID, 1:] = 2 * CHAIN_WEIGHT * directions[token_id(CYCLE[eos_after - 1])]
     out["output.weight"] = output
     return out
 
 
-def write_tiny_gguf(path: Path) -> Path:
+def write_tiny_gguf(path: Path, eos_after: int | None = None) -> Path:
     """Write the model to `path` (deterministic: same bytes on every run) and return the path."""
     gguf = _import_gguf()
     writer = gguf.GGUFWriter(str(path), "llama")  # type: ignore[attr-defined]
-    writer.add_name("llm-diag-proxy tiny random llama")
+    writer.add_name("llm-diag-proxy tiny llama" + ("" if eos_after is None else f" (EOS after {eos_after})"))
     writer.add_file_type(0)  # all F32
     writer.add_context_length(N_CTX_TRAIN)
     writer.add_embedding_length(N_EMBD)
@@ -132,7 +164,7 @@ def write_tiny_gguf(path: Path) -> Path:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for name, data in tensors(np.random.default_rng(SEED)).items():
+    for name, data in tensors(np.random.default_rng(SEED), eos_after).items():
         writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -144,8 +176,10 @@ def write_tiny_gguf(path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="where to write the .gguf")
+    parser.add_argument("--eos-after", type=int, default=None, metavar="K",
+                        help="end every chat answer with EOS after K characters (default: never EOS)")
     args = parser.parse_args()
-    path = write_tiny_gguf(args.out)
+    path = write_tiny_gguf(args.out, args.eos_after)
     print(f"{path} ({path.stat().st_size} bytes)")
 
 
