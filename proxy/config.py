@@ -60,15 +60,19 @@ def parse_upstream_url(value: str) -> str:
     return text.rstrip("/")
 
 
+def _non_negative(value: str, what: str, zero_means: str = "") -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"invalid {what} {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise ConfigError(f"invalid {what} {value!r}: must be 0{zero_means} or positive")
+    return number
+
+
 def parse_seconds(value: str) -> float:
     """A non-negative number of seconds; 0 means off."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError(f"invalid number of seconds {value!r}") from None
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ConfigError(f"invalid number of seconds {value!r}: must be 0 (off) or positive")
-    return seconds
+    return _non_negative(value, "number of seconds", " (off)")
 
 
 def parse_positive_seconds(value: str) -> float:
@@ -79,11 +83,24 @@ def parse_positive_seconds(value: str) -> float:
     return seconds
 
 
-def parse_positive_int(value: str) -> int:
+def parse_factor(value: str) -> float:
+    """A non-negative finite number (a slowdown factor, a spread)."""
+    return _non_negative(value, "number")
+
+
+def parse_count(value: str) -> int:
+    """A whole number, 0 or more (0 switches a limit off)."""
     try:
         number = int(value)
     except ValueError:
         raise ConfigError(f"invalid integer {value!r}") from None
+    if number < 0:
+        raise ConfigError(f"invalid value {value!r}: must be 0 or more")
+    return number
+
+
+def parse_positive_int(value: str) -> int:
+    number = parse_count(value)
     if number < 1:
         raise ConfigError(f"invalid value {value!r}: must be at least 1")
     return number

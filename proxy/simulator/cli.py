@@ -14,66 +14,45 @@ from dataclasses import replace
 from typing import Any
 
 from proxy.cli import flag_type
-from proxy.config import ConfigError, HostPort, parse_host_port, parse_seconds
+from proxy.config import (
+    ConfigError,
+    HostPort,
+    parse_count,
+    parse_factor,
+    parse_host_port,
+    parse_positive_int,
+    parse_seconds,
+)
 from proxy.simulator.config import KV_POLICIES, SCENARIOS, SimulatorConfig
 
 DEFAULT_LISTEN = "127.0.0.1:11500"
 DEFAULT_SCENARIO = "clamp"
 
 
-def parse_count(value: str) -> int:
-    """A whole number, 0 or more (0 switches a limit off)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"invalid integer {value!r}") from None
-    if number < 0:
-        raise ConfigError(f"invalid value {value!r}: must be 0 or more")
-    return number
-
-
-def parse_positive(value: str) -> int:
-    number = parse_count(value)
-    if number < 1:
-        raise ConfigError(f"invalid value {value!r}: must be at least 1")
-    return number
-
-
-def parse_factor(value: str) -> float:
-    """A non-negative finite number (a slowdown factor, a spread)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"invalid number {value!r}") from None
-    if not 0 <= number < float("inf"):
-        raise ConfigError(f"invalid number {value!r}: must be 0 or positive")
-    return number
-
-
 # flag -> (SimulatorConfig field, parser, metavar, help)
 _FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--model", "model", str, "NAME", "model name served on both APIs"),
     ("--kv-blocks", "kv_blocks", parse_count, "N", "KV-cache blocks shared by all sequences, 0 = unlimited"),
-    ("--block-size", "block_size", parse_positive, "TOKENS", "tokens per KV block"),
+    ("--block-size", "block_size", parse_positive_int, "TOKENS", "tokens per KV block"),
     ("--kv-policy", "kv_policy", None, "POLICY", "when the KV blocks run out: clamp (lower the budget of "
                                                  "new requests), preempt (pause and recompute), reject "
                                                  "(refuse with --reject-status), none (no KV limit)"),
     ("--slots", "slots", parse_count, "N", "llama.cpp-style parallel slots, each with ctx-size/N tokens; "
                                           "0 = off"),
-    ("--ctx-size", "ctx_size", parse_positive, "TOKENS", "model context (prompt + answer)"),
+    ("--ctx-size", "ctx_size", parse_positive_int, "TOKENS", "model context (prompt + answer)"),
     ("--deadline", "deadline_s", parse_seconds, "SECONDS", "hidden server deadline per request: "
                                                                   "the answer ends as if complete; 0 = off"),
     ("--token-time", "token_time_s", parse_seconds, "SECONDS", "decode step time of a batch of one"),
     ("--batch-slowdown", "batch_slowdown", parse_factor, "A", "step = token-time * (1 + A * (batch - 1))"),
     ("--prefill-time", "prefill_time_per_token_s", parse_seconds, "SECONDS", "prefill time per "
                                                                                   "prompt token"),
-    ("--natural-tokens", "natural_tokens", parse_positive, "MEAN", "mean length of an answer that ends "
+    ("--natural-tokens", "natural_tokens", parse_positive_int, "MEAN", "mean length of an answer that ends "
                                                                    "on its own"),
     ("--natural-spread", "natural_spread", parse_factor, "FRACTION", "natural lengths vary uniformly by "
                                                                      "this fraction of the mean (<1)"),
     ("--seed", "seed", parse_count, "N", "seed for requests that bring none"),
-    ("--max-num-seqs", "max_num_seqs", parse_positive, "N", "most sequences in one batch"),
-    ("--reject-status", "reject_status", parse_positive, "CODE", "status of a rejected request: 429 or 503"),
+    ("--max-num-seqs", "max_num_seqs", parse_positive_int, "N", "most sequences in one batch"),
+    ("--reject-status", "reject_status", parse_positive_int, "CODE", "status of a rejected request: 429 or 503"),
 )
 
 
