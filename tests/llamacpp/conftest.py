@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.llamacpp.llama_server import BINARY, LlamaServer, binary_available
-from tests.llamacpp.make_tiny_gguf import write_tiny_gguf
 
 SKIP_REASON = (
     f"llama-server not built at {BINARY}: run `bash tools/build_llama_server.sh` "
-    "(about 25 minutes on 2 cores) or set LLAMA_SERVER_BIN"
+    "(about 9 minutes on 2 cores) or set LLAMA_SERVER_BIN"
 )
 # Slot geometry the tests rely on. With an explicit --parallel, this llama.cpp splits the KV
 # cache: each slot gets ctx_size / parallel tokens, rounded up to a multiple of 256 (non-unified
@@ -55,12 +54,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama GGUF that never samples EOS, written once per session."""
+    from tests.llamacpp.make_tiny_gguf import write_tiny_gguf  # numpy: only where a server runs
+
     return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
 def eos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same model, but every chat answer ends on its own (EOS) after EOS_AFTER characters."""
+    from tests.llamacpp.make_tiny_gguf import write_tiny_gguf
+
     return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny-eos.gguf", eos_after=EOS_AFTER)
 
 

@@ -19,7 +19,6 @@ from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
-from tests.llamacpp.make_tiny_gguf import write_tiny_gguf
 
 LEVELS = (1, 2, 4)
 MAX_TOKENS = 200  # more than the 41 an answer takes: every cut is the server's
@@ -49,6 +48,8 @@ async def sweep(server: LlamaServer, levels: tuple[int, ...] = LEVELS, repeats: 
 
 
 async def main_async() -> None:
+    from tests.llamacpp.make_tiny_gguf import write_tiny_gguf  # needs numpy, unlike the tests' imports
+
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_gguf(Path(tmp) / "tiny-eos.gguf", eos_after=EOS_AFTER)
         for title, ctx, parallel, extra in GEOMETRIES:
