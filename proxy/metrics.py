@@ -10,13 +10,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.record import ResponseRecord
+from proxy.record import COMPLETE_STOP_REASONS, STOP_REASONS, UPSTREAM_ERROR_KINDS, ResponseRecord
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
 CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
+# The cause label of llm_proxy_truncated_total: every stop reason that is not a complete answer,
+# and server_limit (a length stop below the requested budget).
+TRUNCATION_CAUSES = (*(r for r in STOP_REASONS if r not in COMPLETE_STOP_REASONS and r != "not_inference"),
+                     "server_limit")
 OTHER_MODEL = "other"
 NO_MODEL = "none"
 
@@ -37,6 +41,7 @@ class ProxyMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.max_models = max_models
         self._models: set[str] = set()
+        self._other_started = False
         r = self.registry
         # --- per response -------------------------------------------------------------------
         self.requests = Counter(
@@ -109,6 +114,15 @@ class ProxyMetrics:
             "llm_proxy_upstream_telemetry_up", "1 while the upstream's state can be read, else 0.",
             ["source"], registry=r)
         self._children: dict[tuple[Any, ...], Any] = {}
+        # Bounded label sets are exported at 0 from the start: a series first scraped at 1 has no
+        # increase that rate()/increase() can see, so the first event of a kind would go unalerted.
+        for phase in ("before_first_token", "mid_stream"):
+            self.client_disconnects.labels(phase)
+        for kind in ("total", "idle"):
+            for mode in ("observe", "enforce"):
+                self.deadline_hits.labels(kind, mode)
+        for error_kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(error_kind)
 
     def model_label(self, model: str | None) -> str:
         """A bounded model label: the first `max_models` distinct names, then `other`."""
@@ -117,9 +131,18 @@ class ProxyMetrics:
         if model in self._models:
             return model
         if len(self._models) >= self.max_models:
+            if not self._other_started:
+                self._other_started = True
+                self._start_truncation_series(OTHER_MODEL)
             return OTHER_MODEL
         self._models.add(model)
+        self._start_truncation_series(model)
         return model
+
+    def _start_truncation_series(self, model: str) -> None:
+        """Each truncation cause of a model at 0 from its first response on (see __init__)."""
+        for cause in TRUNCATION_CAUSES:
+            self._child(self.truncated, model, cause)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)

@@ -147,3 +147,15 @@ async def test_proxy_adds_only_its_two_headers(upstream: ScriptedUpstream, proxy
         names = {k.lower() for k in response.headers}
     assert names == {"content-type", "x-upstream", "server", "date", "content-length", "x-request-id",
                      "x-llm-diag-concurrency"}
+
+
+async def test_bounded_counters_start_at_zero_so_the_first_event_shows_in_rate(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    upstream.push(Script(openai_stream(1)))
+    async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT) as response:
+        await response.read()
+    await asyncio.sleep(0.05)
+    text = await metrics_text(client, proxy)
+    assert 'llm_proxy_client_disconnects_total{phase="mid_stream"} 0.0' in text
+    assert 'llm_proxy_upstream_errors_total{kind="oom"} 0.0' in text
+    assert 'llm_proxy_truncated_total{cause="server_limit",model="m"} 0.0' in text
