@@ -30,7 +30,10 @@ EOS_PROMPT = ("Tell me about llamas. " * 8).strip()
 EOS_PROMPT_TOKENS = 227  # BOS + the ChatML frame (51 characters) + 175 characters
 EOS_SINGLE_CTX = 512  # one slot of 512: completes
 EOS_SPLIT_CTX = 1024  # four slots of 256: each answer cut after 29 tokens, concurrent or not
-EOS_UNIFIED_CTX = 512  # one pool for 4 slots: one answer fits, two (536) do not
+EOS_UNIFIED_CTX = 512  # one pool for 4 slots, asked with the longer UNIFIED_PROMPT:
+UNIFIED_PROMPT = ("Tell me about llamas. " * 16).strip()
+UNIFIED_PROMPT_TOKENS = 403  # one answer (444) fits; a second prompt beside it (403 + 403) does not,
+# so two requests that overlap at all both fail, however far apart they started
 SERVER_FIXTURES = frozenset({
     "tiny_model", "eos_model", "split_server", "long_server", "eos_single_server", "eos_split_server",
     "eos_unified_server",
@@ -104,7 +107,7 @@ def eos_split_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) 
 
 @pytest.fixture(scope="session")
 def eos_unified_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
-    """Answers end on their own; 4 slots drawing on one 512-token pool: one fits, two do not."""
+    """Answers end on their own; 4 slots drawing on one 512-token pool: one answer fits, two do not."""
     yield from _server(tmp_path_factory, eos_model, "eos-unified", EOS_UNIFIED_CTX, 4, "--kv-unified")
 
 

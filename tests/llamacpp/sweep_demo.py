@@ -1,8 +1,9 @@
 """The concurrency sweep through the proxy against real llama-servers: the tables in docs/llamacpp.md.
 
-The model ends every answer with EOS after 40 characters; each request needs 268 tokens of
-context (227 of prompt). Three geometries: one 512-token slot (all fit, they queue); 4 slots
-in a unified 512-token pool (one fits, two do not); 1024 split into 4 slots of 256 (none fits).
+The model ends every answer with EOS after 40 characters (41 tokens). Three geometries: one
+512-token slot (all fit, they queue); 1024 split into 4 slots of 256 (a 227-token prompt: no
+answer fits); 4 slots in a unified 512-token pool (a 403-token prompt: one answer fits, a
+second prompt beside it does not).
 Run after `bash tools/build_llama_server.sh`: `python -m tests.llamacpp.sweep_demo`.
 """
 
@@ -17,20 +18,21 @@ from proxy.app import start_proxy
 from proxy.config import HostPort, ProxyConfig
 from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
-from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT
+from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, UNIFIED_PROMPT
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
 
 LEVELS = (1, 2, 4)
 MAX_TOKENS = 200  # more than the 41 an answer takes: every cut is the server's
-# (title, --ctx-size, --parallel, extra flags)
+# (title, --ctx-size, --parallel, extra flags, prompt)
 GEOMETRIES = (
-    ("one slot of 512", 512, 1, ()),
-    ("4 slots in one unified 512-token pool", 512, 4, ("--kv-unified",)),
-    ("1024 split into 4 slots of 256", 1024, 4, ()),
+    ("one slot of 512", 512, 1, (), EOS_PROMPT),
+    ("1024 split into 4 slots of 256", 1024, 4, (), EOS_PROMPT),
+    ("4 slots in one unified 512-token pool", 512, 4, ("--kv-unified",), UNIFIED_PROMPT),
 )
 
 
-async def sweep(server: LlamaServer, levels: tuple[int, ...] = LEVELS, repeats: int = 2) -> tuple[SweepOutcome, str]:
+async def sweep(server: LlamaServer, prompt: str, levels: tuple[int, ...] = LEVELS,
+                repeats: int = 2) -> tuple[SweepOutcome, str]:
     """One sweep through a fresh proxy; returns the outcome and what it printed."""
     running = await start_proxy(
         ProxyConfig(upstream=server.url, listen=HostPort("127.0.0.1", 0),
@@ -38,7 +40,7 @@ async def sweep(server: LlamaServer, levels: tuple[int, ...] = LEVELS, repeats: 
         log_records=False)
     try:
         plan = SweepPlan(target=running.proxy_url, admin=running.admin_url, admin_token=None, levels=levels,
-                         repeats=repeats, prompt=EOS_PROMPT, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
+                         repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
                          model=ALIAS, dialect="openai", timeout_s=60.0, warmup=1)
         printed = io.StringIO()
         outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
@@ -52,11 +54,11 @@ async def main_async() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_gguf(Path(tmp) / "tiny-eos.gguf", eos_after=EOS_AFTER)
-        for title, ctx, parallel, extra in GEOMETRIES:
+        for title, ctx, parallel, extra, prompt in GEOMETRIES:
             server = LlamaServer(model, ctx, parallel, extra)
             server.start(Path(tmp) / "server.log")
             try:
-                _, printed = await sweep(server)
+                _, printed = await sweep(server, prompt)
             finally:
                 server.stop()
             flags = " ".join(("--ctx-size", str(ctx), "--parallel", str(parallel), *extra))

@@ -3,7 +3,7 @@
 Slot geometry (see conftest): `split_server` has 4 slots of 256 tokens (1024 / 4) and a model
 that never samples EOS, so every length stop there is the budget or the context, never chance.
 The `eos_*` servers run the model whose chat answers end with EOS after 40 characters: in one
-400-token slot they complete; split into 4 slots of 100 they are cut; in a unified 200-token
+512-token slot they complete; split into 4 slots of 256 they are cut; in a unified 512-token
 pool one completes and two at once exhaust it.
 """
 
@@ -20,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, EOS_PROMPT_TOKENS, SLOT_CTX
+from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, EOS_PROMPT_TOKENS, SLOT_CTX, UNIFIED_PROMPT
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
 from tests.llamacpp.tee import ByteTee, first_http_response
 
@@ -245,32 +245,40 @@ async def test_answer_that_completes_in_one_slot_is_cut_when_the_same_context_is
 
 async def test_unified_pool_lets_one_request_complete(eos_unified_server: LlamaServer, proxy_for: Any) -> None:
     running = await proxy_for(eos_unified_server.url)
-    rid, finish, chunks, _ = await chat(running, BIG_BUDGET, stream=True, prompt=EOS_PROMPT)
+    rid, finish, chunks, _ = await chat(running, BIG_BUDGET, stream=True, prompt=UNIFIED_PROMPT)
     assert (finish, chunks) == ("stop", EOS_AFTER)
     assert (await record_of(running, rid))["stop_reason"] == "eos"
 
 
-async def test_concurrency_that_exhausts_a_unified_pool_is_an_error_event_mid_stream(
+async def test_streams_that_exhaust_a_unified_pool_are_recorded_with_the_servers_error(
     eos_unified_server: LlamaServer, proxy_for: Any
 ) -> None:
+    # A stream that already sent a token gets HTTP 200 and then `data: {"error": ...}`; one that
+    # fails before its first token gets HTTP 500 and a JSON error (the server's rule, to match
+    # OpenAI). Which of the two a request gets depends on timing; the record must say which.
     running = await proxy_for(eos_unified_server.url)
     rids = [new_id() for _ in range(2)]
 
-    async def one(rid: str) -> str:
+    async def one(rid: str) -> int:
         try:
-            await chat(running, BIG_BUDGET, stream=True, request_id=rid, prompt=EOS_PROMPT)
+            await chat(running, BIG_BUDGET, stream=True, request_id=rid, prompt=UNIFIED_PROMPT)
+        except openai.APIStatusError as exc:  # HTTP 500 before any event
+            assert "Context size has been exceeded" in str(exc)
+            return exc.status_code
         except openai.APIError as exc:  # the client raises on the `data: {"error": ...}` event
-            return str(exc)
-        return "completed"
+            assert "Context size has been exceeded" in str(exc)
+            return 200
+        return 0  # completed: the pool was not exhausted
 
-    outcomes = await asyncio.gather(*(one(rid) for rid in rids))
-    assert all("Context size has been exceeded" in o for o in outcomes), outcomes
-    for rid in rids:
+    statuses = await asyncio.gather(*(one(rid) for rid in rids))
+    assert set(statuses) <= {200, 500}, statuses
+    for rid, status in zip(rids, statuses, strict=True):
         record = await record_of(running, rid)
-        assert record["status"] == 200  # the headers went out before the pool ran out
-        assert (record["stop_reason"], record["upstream_error"]) == ("upstream_error", "error_event")
+        assert (record["status"], record["stop_reason"]) == (status, "upstream_error")
+        assert record["upstream_error"] == ("error_event" if status == 200 else "http_status")
         assert "Context size has been exceeded" in (record["upstream_error_detail"] or "")
-        assert record["output_tokens"] < EOS_AFTER
+        assert (record["output_tokens"], record["tokens_source"]) in ((None, "none"), *(
+            (n, "counted") for n in range(EOS_AFTER)))  # none, or a few counted before the error
 
 
 async def test_non_streamed_requests_failing_on_an_exhausted_unified_pool_are_http_500(
@@ -281,7 +289,7 @@ async def test_non_streamed_requests_failing_on_an_exhausted_unified_pool_are_ht
 
     async def one(rid: str) -> int:
         try:
-            await chat(running, BIG_BUDGET, stream=False, request_id=rid, prompt=EOS_PROMPT)
+            await chat(running, BIG_BUDGET, stream=False, request_id=rid, prompt=UNIFIED_PROMPT)
         except openai.APIStatusError as exc:
             return exc.status_code
         return 200
