@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
 import uuid
@@ -44,6 +45,25 @@ _RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
+
+
+def _when_closed(upstream: aiohttp.ClientResponse) -> asyncio.Future[None] | None:
+    """The future aiohttp resolves when the upstream connection closes (None: no connection left)."""
+    connection = upstream.connection
+    protocol = connection.protocol if connection is not None else None
+    return protocol.closed if protocol is not None else None
+
+
+def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[None]) -> None:
+    """The upstream connection is gone: a body it left neither ended nor failed fails now.
+
+    aiohttp's C parser drops a framing error mid-body (an invalid chunk size) on the floor: the
+    connection closes, but the body reader would wait for ever and the record never be made.
+    """
+    if content.is_eof() or content.exception() is not None:
+        return
+    content.set_exception(aiohttp.ClientPayloadError(
+        "the upstream connection closed without ending the body (invalid framing)"))
 
 
 class ClientGone(Exception):
@@ -236,6 +256,10 @@ class _Exchange:
         clock = time.monotonic
         last = clock()
         max_gap = 0.0
+        closed = _when_closed(upstream)
+        fail_unended = functools.partial(_fail_unended_body, upstream.content)
+        if closed is not None:
+            closed.add_done_callback(fail_unended)
         try:
             async with deadlines.guard():
                 while True:
@@ -269,6 +293,8 @@ class _Exchange:
             self.client_gone = True
             return response
         finally:
+            if closed is not None:
+                closed.remove_done_callback(fail_unended)  # pooled connections outlive the exchange
             self._finish_observation(max_gap)
         await response.write_eof()
         return response
