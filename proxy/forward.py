@@ -213,8 +213,12 @@ class _Exchange:
             self.connect_error = "connect"
             self.error_detail = f"cannot connect to {self.fw._base}: {exc.os_error or exc}"[:300]
             return self._answer(502, "upstream_unavailable", self.error_detail)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError,
-                aiohttp.ClientResponseError) as exc:
+        except aiohttp.ClientResponseError as exc:  # aiohttp's parser refused the response head
+            self.connect_error = "reset"
+            message = " ".join(str(exc.message).split())  # llhttp messages span lines
+            self.error_detail = f"upstream answered with a response that is not valid HTTP: {message}"[:300]
+            return self._answer(502, "upstream_invalid_response", self.error_detail)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             self.connect_error = "reset"
             self.error_detail = f"upstream closed the connection before answering: {exc}"[:300]
             return self._answer(502, "upstream_reset", self.error_detail)

@@ -168,10 +168,13 @@ async def test_unparseable_response_head_is_a_json_502_that_says_so(fault: str, 
     proxy = await make_proxy(faulty.url)
     status, body, _, _ = await beside_healthy(proxy, post(proxy, fault, fault))
     assert status == 502 and body is not None and body["error"]["source"] == "llm-diag-proxy"
+    assert body["error"]["type"] == "upstream_invalid_response"
     record = await record_of(proxy, fault)
     assert (record.stop_reason, record.upstream_error) == ("upstream_error", "reset")
-    assert record.upstream_error_detail is not None
-    print(f"\n{fault}: {body['error']['type']}: {record.upstream_error_detail}")
+    detail = record.upstream_error_detail or ""
+    print(f"\n{fault}: {body['error']['type']}: {detail}")
+    assert detail.startswith("upstream answered with a response that is not valid HTTP")
+    assert "closed the connection" not in detail  # it did answer; it answered garbage
 
 
 async def test_hundred_mib_json_body_passes_whole_with_bounded_memory(faulty: FaultyUpstream,
