@@ -34,6 +34,7 @@ class LineSplitter:
         if b"\n" not in chunk:
             self._hold(chunk)
             return _EMPTY
+        held = len(self._buffer)
         lines = chunk.split(b"\n")
         tail = lines.pop()
         if self._skipping:
@@ -44,6 +45,10 @@ class LineSplitter:
             self._buffer += lines[0]
             lines[0] = bytes(self._buffer)
             self._buffer.clear()
+        if held + len(chunk) > self._max_line:  # only then can a complete line be over the limit
+            kept = [line for line in lines if len(line) <= self._max_line]
+            self.overlong += len(lines) - len(kept)  # dropped whether it came whole or in pieces
+            lines = kept
         self._hold(tail)
         return lines
 
