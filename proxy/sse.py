@@ -13,18 +13,37 @@ DATA = b"data"
 
 
 class SseDecoder:
-    """Yields `(event_name, data)` for each dispatched event that carried data."""
+    """Yields `(event_name, data)` for each dispatched event that carried data.
 
-    __slots__ = ("_data", "_event", "_lines")
+    An event whose data lines add up to more than `max_line` is dropped and counted like an
+    over-long line: without a blank line an event never ends, and its data must not pile up.
+    """
+
+    __slots__ = ("_data", "_event", "_lines", "_max_data", "_oversized", "_size", "_skipping")
 
     def __init__(self, max_line: int) -> None:
         self._lines = LineSplitter(max_line)
         self._data: list[bytes] = []
         self._event: bytes | None = None
+        self._max_data = max_line
+        self._size = 0  # bytes in _data
+        self._skipping = False  # inside an oversized event, discarding its data until it ends
+        self._oversized = 0
 
     @property
     def overlong_lines(self) -> int:
-        return self._lines.overlong
+        return self._lines.overlong + self._oversized
+
+    def _add_data(self, value: bytes) -> None:
+        if self._skipping:
+            return
+        self._size += len(value) + 1
+        if self._size > self._max_data:
+            self._data.clear()
+            self._skipping = True
+            self._oversized += 1
+            return
+        self._data.append(value)
 
     def feed(self, chunk: bytes) -> list[tuple[bytes | None, bytes]]:
         return self._dispatch(self._lines.feed(chunk))
@@ -33,6 +52,8 @@ class SseDecoder:
         """Events still open at the end of the stream are discarded, as the spec says."""
         self._dispatch(self._lines.close())
         self._data.clear()
+        self._size = 0
+        self._skipping = False
         return []
 
     def _dispatch(self, lines: list[bytes]) -> list[tuple[bytes | None, bytes]]:
@@ -44,10 +65,12 @@ class SseDecoder:
                     events.append((self._event, data))
                     self._data.clear()
                 self._event = None
+                self._size = 0
+                self._skipping = False
                 continue
             if line[:5] == b"data:":
                 value = line[5:]
-                self._data.append(value[1:] if value[:1] == b" " else value)
+                self._add_data(value[1:] if value[:1] == b" " else value)
             elif line[:1] == b":":
                 continue
             else:
@@ -55,5 +78,5 @@ class SseDecoder:
                 if name == b"event":
                     self._event = value[1:] if value[:1] == b" " else value
                 elif name == DATA:  # `data` with no colon: an empty data line
-                    self._data.append(b"")
+                    self._add_data(b"")
         return events

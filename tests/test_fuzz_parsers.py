@@ -55,10 +55,10 @@ def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     return [p for p in pieces if p]
 
 
-def seen(events: list[Event]) -> tuple[list[Event], int]:
-    """What the diagnosis uses: the events in order, and how many parse errors (their place among
-    the events of one chunk is not kept)."""
-    return [e for e in events if not isinstance(e, ParseError)], sum(isinstance(e, ParseError) for e in events)
+def seen(events: list[Event]) -> tuple[list[Event], bool]:
+    """What the diagnosis uses: the events in order, and whether any part could not be read (a
+    parser reports over-long lines once per chunk, so their count and place depend on chunking)."""
+    return [e for e in events if not isinstance(e, ParseError)], any(isinstance(e, ParseError) for e in events)
 
 
 def events_of(parser: ResponseParser, chunks: list[bytes]) -> list[Event]:
