@@ -55,12 +55,14 @@ class WireFacts:
     output_tokens: int | None = None
     requested_max_tokens: int | None = None
     n: int | None = None
+    stop_requested: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     stop_reason: StopReason
     length_cause: LengthCause | None = None
+    certain: bool = True
     upstream_error: UpstreamErrorKind | None = None
     upstream_error_detail: str | None = None
 
@@ -131,6 +133,9 @@ def classify(facts: WireFacts) -> Verdict:
         if reason == "length":
             cause = length_cause(facts.output_tokens, facts.requested_max_tokens, facts.n)
             return Verdict("length", length_cause=cause)
+        if reason == "eos" and facts.stop_requested and not facts.finish.distinguishes_stop:
+            # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.
+            return Verdict("eos", certain=False)
         return Verdict(reason)
     if facts.done or facts.parse_failed:
         return Verdict("unknown")  # ended explicitly, or in bytes we could not read: no cause shown

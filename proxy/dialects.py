@@ -74,7 +74,8 @@ def openai_events(obj: Any) -> list[Event]:
             if reason is not None:
                 detail = choice.get("stop_reason")
                 events.append(Finish(str(reason), _int(choice.get("index")) or 0,
-                                     None if detail is None else str(detail)))
+                                     None if detail is None else str(detail),
+                                     distinguishes_stop="stop_reason" in choice))
     usage = obj.get("usage")
     if isinstance(usage, dict):
         events.append(Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))))
@@ -130,7 +131,8 @@ def ollama_events(obj: Any) -> list[Event]:
         events = []
     if obj.get("done") is True:
         reason = obj.get("done_reason")
-        events.append(Finish(None if reason is None else str(reason)))
+        # Ollama says "stop" for EOS and for a matched stop string alike.
+        events.append(Finish(None if reason is None else str(reason), distinguishes_stop=False))
         events.append(Usage(_int(obj.get("prompt_eval_count")), _int(obj.get("eval_count"))))
         total, load = _num(obj.get("total_duration")), _num(obj.get("load_duration"))
         prompt, evaluation = _num(obj.get("prompt_eval_duration")), _num(obj.get("eval_duration"))
@@ -174,8 +176,10 @@ def parse_request(dialect: str, body: bytes) -> RequestInfo:
             info.num_ctx = _int(options.get("num_ctx"))
             info.seed = _int(options.get("seed"))
             info.temperature = _num(options.get("temperature"))
+            info.stop_requested = bool(options.get("stop"))
     else:
         info.stream = stream if isinstance(stream, bool) else False
+        info.stop_requested = bool(obj.get("stop"))
         budget = obj.get("max_completion_tokens", obj.get("max_tokens"))
         if dialect == "llamacpp" and budget is None:
             budget = obj.get("n_predict")

@@ -23,12 +23,15 @@ class Finish:
     `reason` is the raw value (`finish_reason`, Ollama's `done_reason`, llama.cpp's
     `stop_type`); `detail` carries what distinguishes a stop sequence from EOS where the
     server says it (vLLM's `stop_reason`, llama.cpp's `stopping_word`), else None.
+    `distinguishes_stop` says whether the server has such a field at all: without one, a
+    plain "stop" may be EOS or a requested stop string alike.
     """
 
     reason: str | None
     choice: int = 0
     detail: str | None = None
     truncated: bool | None = None
+    distinguishes_stop: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class RequestInfo:
     seed: int | None = None
     temperature: float | None = None
     n: int | None = None
+    stop_requested: bool = False
     body_parsed: bool = False
     body_note: str | None = None
 
@@ -69,6 +70,7 @@ class ResponseRecord:
     tokens_source: Literal["usage", "counted", "none"] = "none"
     prompt_tokens: int | None = None
     stop_reason: StopReason = "unknown"
+    stop_reason_certain: bool = True  # False: the server's "stop" covers EOS and a stop string alike
     finish_reason_raw: str | None = None
     length_cause: LengthCause | None = None
     concurrency_at_start: int = 0

@@ -125,3 +125,14 @@ def test_peak_counts_requests_admitted_later() -> None:
     now[0] = 1.0
     peak, _ = tracker.release(first)
     assert first.at_start == 1 and peak == 5
+
+
+def test_plain_stop_with_stop_strings_requested_is_eos_but_not_certain() -> None:
+    facts = replace(BASE, finish=Finish("stop", distinguishes_stop=False), stop_requested=True)
+    verdict = classify(facts)
+    assert verdict.stop_reason == "eos" and not verdict.certain
+
+
+def test_vllm_null_stop_reason_proves_eos_even_with_stop_strings() -> None:
+    verdict = classify(replace(BASE, finish=Finish("stop", distinguishes_stop=True), stop_requested=True))
+    assert verdict.stop_reason == "eos" and verdict.certain

@@ -93,7 +93,7 @@ def test_llamacpp_native_final_object() -> None:
 def test_ollama_done_line_events() -> None:
     final = orjson.loads(ollama_stream(0, "length")[-1])
     events = ollama_events(final)
-    assert events[:2] == [Finish("length"), Usage(26, 0)]
+    assert events[:2] == [Finish("length", distinguishes_stop=False), Usage(26, 0)]
     assert isinstance(events[2], ServerTimings) and events[2].total_s == 1.5
 
 
