@@ -401,8 +401,10 @@ class _Exchange:
             upstream_reset=self.upstream_reset, client_disconnected=self.client_gone,
             enforced=self.enforced, finish=obs.finish, error=obs.error, done=obs.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
-            requested_max_tokens=record.requested_max_tokens, n=record.n))
+            requested_max_tokens=record.requested_max_tokens, n=record.n,
+            stop_requested=self.info.stop_requested))
         record.stop_reason = verdict.stop_reason
+        record.stop_reason_certain = verdict.certain
         record.length_cause = verdict.length_cause
         record.upstream_error = verdict.upstream_error
         record.upstream_error_detail = verdict.upstream_error_detail
