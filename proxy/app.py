@@ -28,13 +28,16 @@ _log = structlog.get_logger("llm_diag_proxy")
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     """The client session to the upstream: no decompression (bytes pass as sent), no cookie jar
-    (clients must not share cookies), no proxy settings from the environment, no pool limit."""
+    (clients must not share cookies), no proxy settings from the environment, no pool limit, and
+    a fresh connection per request: llama-server closes its connection after every streamed
+    response despite `Keep-Alive`, and a pooled dead socket would turn the next request into a
+    502 the server never saw. A generation lasts seconds; a loopback connect costs microseconds."""
     return aiohttp.ClientSession(
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         trust_env=False,
         timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
-        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, force_close=True),
     )
 
 

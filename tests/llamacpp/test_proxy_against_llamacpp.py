@@ -271,8 +271,14 @@ async def test_streams_that_exhaust_a_unified_pool_are_recorded_with_the_servers
         return 0  # completed: the pool was not exhausted
 
     statuses = await asyncio.gather(*(one(rid) for rid in rids))
-    assert set(statuses) <= {200, 500}, statuses
+    if 0 in statuses:  # on a loaded machine one request can finish before the other starts
+        done = [rid for rid, status in zip(rids, statuses, strict=True) if status == 0]
+        assert all((await record_of(running, rid))["stop_reason"] == "eos" for rid in done)
+        if len(done) == len(rids):
+            pytest.skip("the two requests did not overlap, so the pool was never exhausted")
     for rid, status in zip(rids, statuses, strict=True):
+        if status == 0:
+            continue
         record = await record_of(running, rid)
         assert (record["status"], record["stop_reason"]) == (status, "upstream_error")
         assert record["upstream_error"] == ("error_event" if status == 200 else "http_status")
@@ -337,9 +343,6 @@ async def test_proxy_delivers_the_exact_body_bytes_the_server_sent(
     assert received == sent
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: the proxy's upstream pool reuses the connection llama-server closes after a stream "
-    "and answers 502 (fix proposed: TCPConnector(force_close=True) in proxy/app.py)"))
 async def test_requests_right_after_a_stream_all_reach_the_server(
     split_server: LlamaServer, proxy_for: Any
 ) -> None:

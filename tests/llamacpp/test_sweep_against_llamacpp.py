@@ -15,17 +15,10 @@ from tests.llamacpp.sweep_demo import sweep
 
 pytestmark = pytest.mark.llamacpp
 
-# Until the proxy stops reusing the upstream connection llama-server closes after each stream,
-# a request right after one may get the proxy's 502 (see test_requests_right_after_a_stream_...).
-KEEPALIVE_RACE = pytest.mark.xfail(strict=False, reason=(
-    "open: a request right after a stream can get the proxy's 502 (upstream connection reuse)"))
-
-
 def samples_at(outcome: Any, level: int) -> list[Any]:
     return [s for s in outcome.samples if s.level == level]
 
 
-@KEEPALIVE_RACE
 async def test_sweep_finds_a_unified_pool_failing_from_concurrency_two(eos_unified_server: LlamaServer) -> None:
     outcome, printed = await sweep(eos_unified_server, UNIFIED_PROMPT, levels=(1, 2), repeats=2)
     assert [s.record.stop_reason for s in samples_at(outcome, 1)] == ["eos", "eos"]
@@ -40,7 +33,6 @@ async def test_sweep_finds_a_unified_pool_failing_from_concurrency_two(eos_unifi
     assert "Context size has been exceeded" in printed
 
 
-@KEEPALIVE_RACE
 async def test_sweep_on_slots_too_small_blames_the_server_limit_at_concurrency_one(
     eos_split_server: LlamaServer,
 ) -> None:
@@ -51,7 +43,6 @@ async def test_sweep_on_slots_too_small_blames_the_server_limit_at_concurrency_o
     assert (verdict.kind, verdict.cause) == ("baseline_truncation", "length:server_limit")
 
 
-@KEEPALIVE_RACE
 async def test_sweep_on_one_big_slot_sees_answers_queue_but_complete_at_every_level(
     eos_single_server: LlamaServer,
 ) -> None:
