@@ -141,18 +141,39 @@ class ErrorLogCounter(logging.Handler):
 
 
 class RecordCounter:
-    """An observer that counts finished records by request id (the ring forgets; this does not)."""
+    """An observer that keeps each finished record until its request is checked, and remembers
+    which request ids were checked (so a second record for one request is seen, however late).
+    Its memory is a set of ids, not the records: the soak measures the proxy, not itself."""
 
     def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.records: dict[str, ResponseRecord] = {}
+        self.pending: dict[str, ResponseRecord] = {}
+        self.checked: set[str] = set()
+        self.duplicates: list[str] = []
+        self.arrived = asyncio.Event()
 
     def on_response_start(self, record: ResponseRecord) -> None:
         pass
 
     def on_response(self, record: ResponseRecord) -> None:
-        self.counts[record.request_id] += 1
-        self.records[record.request_id] = record
+        rid = record.request_id
+        if rid in self.checked or rid in self.pending:
+            self.duplicates.append(rid)
+            return
+        self.pending[rid] = record
+        self.arrived.set()
+
+    async def take(self, request_id: str, wait_s: float) -> ResponseRecord | None:
+        """The record of `request_id`, waiting for it up to `wait_s` (None if it never came)."""
+        deadline = time.monotonic() + wait_s
+        while request_id not in self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), min(remaining, 0.05))
+        self.checked.add(request_id)
+        return self.pending.pop(request_id)
 
 
 def simulator_args(settings: SoakSettings) -> list[str]:
@@ -308,10 +329,10 @@ class _Sampler:
 async def run_phase(running: RunningProxy, counter: RecordCounter, settings: SoakSettings, name: str,
                     per_worker: int, duration_s: float, report: SoakReport) -> PhaseFigures:
     """`settings.streams` workers, each running up to `per_worker` requests (and stopping once
-    `duration_s` has passed, when set); then waits for every record and checks each one."""
+    `duration_s` has passed, when set); each checks the record of its request as it comes."""
     rng = random.Random(f"{settings.seed}-{name}")
-    plans: list[Plan] = []
-    hung_up: dict[str, float] = {}
+    scenarios: Counter[str] = Counter()
+    stops: Counter[str] = Counter()
     started = time.monotonic()
     ends_at = started + duration_s if duration_s else None
     sampler = _Sampler(running)
@@ -325,36 +346,31 @@ async def run_phase(running: RunningProxy, counter: RecordCounter, settings: Soa
                 if ends_at is not None and time.monotonic() >= ends_at:
                     return
                 plan = plan_request(rng, f"{name}-{index}-{n}", settings)
-                plans.append(plan)
+                scenarios[plan.scenario] += 1
+                hung_up: dict[str, float] = {}
                 problem = await run_one(session, running.proxy_url, plan, settings, hung_up)
                 if problem is not None:
                     report.client_errors.append(problem)
+                record = await counter.take(plan.request_id, 10.0)  # the handler may still be finishing
+                if record is None:
+                    report.missing.append(plan.request_id)
+                    continue
+                stops[record.stop_reason] += 1
+                problem = check_record(plan, record, hung_up.get(plan.request_id))
+                if problem is not None:
+                    report.wrong.append(problem)
 
         await asyncio.gather(*(worker(i) for i in range(settings.streams)))
     seconds = time.monotonic() - started
-    # Every request leaves exactly one record; wait (bounded) for the last handlers to finish.
-    for _ in range(400):
-        if all(p.request_id in counter.counts for p in plans) and running.concurrency.in_flight == 0:
+    for _ in range(400):  # bounded: the last handlers release their in-flight slot
+        if running.concurrency.in_flight == 0:
             break
         await asyncio.sleep(0.025)
     sampler.stop()
     await sampling
     report.rss_peak_mib = max(report.rss_peak_mib, sampler.rss_peak / (1 << 20))
-    stops: Counter[str] = Counter()
-    for plan in plans:
-        seen = counter.counts.get(plan.request_id, 0)
-        if seen == 0:
-            report.missing.append(plan.request_id)
-            continue
-        if seen > 1:
-            report.duplicates.append(plan.request_id)
-        record = counter.records[plan.request_id]
-        stops[record.stop_reason] += 1
-        problem = check_record(plan, record, hung_up.get(plan.request_id))
-        if problem is not None:
-            report.wrong.append(problem)
-    return PhaseFigures(len(plans), seconds, sampler.peak_in_flight, sampler.ring_max,
-                        dict(Counter(p.scenario for p in plans)), dict(stops))
+    return PhaseFigures(sum(scenarios.values()), seconds, sampler.peak_in_flight, sampler.ring_max,
+                        dict(scenarios), dict(stops))
 
 
 async def _settle(running: RunningProxy, proxy_port: int, baseline: set[asyncio.Task[object]]) -> None:
@@ -409,7 +425,9 @@ async def _measure(running: RunningProxy, counter: RecordCounter, settings: Soak
     report.fds_after = fd_census(ports)
     report.fds_free_after = report.fds_after.without(*ports)
     report.pending_tasks_after = sorted(repr(t.get_coro())[:120] for t in pending_tasks() - baseline_tasks)
-    report.records_seen = sum(counter.counts.values())
+    report.records_seen = len(counter.checked) + len(counter.duplicates) + len(counter.pending)
+    report.duplicates = list(counter.duplicates)
+    report.missing += sorted(counter.pending)  # records of requests no worker planned
     report.in_flight_after = running.concurrency.in_flight
     gauge = running.metrics.registry.get_sample_value("llm_proxy_in_flight")
     report.in_flight_gauge_after = -1.0 if gauge is None else gauge
