@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.admin import UpstreamProbe, build_admin_app
 from proxy.concurrency import InFlightTracker
@@ -65,8 +67,27 @@ class RunningProxy:
             await self._session.close()
 
 
+class OneLineClientErrors(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log, where a client's malformed request or lost connection is one warning
+    line instead of a traceback: a hostile client must not be able to fill the log with them."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if not isinstance(error, (HttpProcessingError, ConnectionError)):
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        try:
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        self.warning("%s: %s: %s", text, type(error).__name__, " ".join(str(error).split())[:300])
+
+
+SERVER_LOG = OneLineClientErrors(logging.getLogger("aiohttp.server"), {})
+
+
 async def _listen(app: web.Application, where: HostPort, **runner_options: Any) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None, **runner_options)
+    runner = web.AppRunner(app, access_log=None, logger=SERVER_LOG, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, where.host, where.port, reuse_address=True)
     try:
