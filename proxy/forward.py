@@ -66,10 +66,6 @@ def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[Non
         "the upstream connection closed without ending the body (invalid framing)"))
 
 
-class ClientGone(Exception):
-    """The client closed its connection."""
-
-
 def new_request_id(supplied: str | None) -> str:
     """The client's own request id when it is a sane token, else a fresh one."""
     if supplied and _REQUEST_ID_OK.fullmatch(supplied):
