@@ -141,13 +141,17 @@ class ErrorLogCounter(logging.Handler):
 
 
 class RecordCounter:
-    """An observer that keeps each finished record until its request is checked, and remembers
-    which request ids were checked (so a second record for one request is seen, however late).
-    Its memory is a set of ids, not the records: the soak measures the proxy, not itself."""
+    """An observer that keeps each finished record until its worker checks it.
+
+    Request ids are `PHASE-WORKER-N` and each worker checks its requests in order, so a second
+    record for a request shows as an N at or below the worker's last checked one: the counter
+    holds one number per worker, not one id per request (the soak measures the proxy, not itself).
+    """
 
     def __init__(self) -> None:
         self.pending: dict[str, ResponseRecord] = {}
-        self.checked: set[str] = set()
+        self.last_taken: dict[str, int] = {}  # PHASE-WORKER -> the last N checked
+        self.taken = 0
         self.duplicates: list[str] = []
         self.arrived = asyncio.Event()
 
@@ -156,7 +160,8 @@ class RecordCounter:
 
     def on_response(self, record: ResponseRecord) -> None:
         rid = record.request_id
-        if rid in self.checked or rid in self.pending:
+        worker, _, n = rid.rpartition("-")
+        if rid in self.pending or (n.isdigit() and int(n) <= self.last_taken.get(worker, -1)):
             self.duplicates.append(rid)
             return
         self.pending[rid] = record
@@ -172,7 +177,9 @@ class RecordCounter:
             self.arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.arrived.wait(), min(remaining, 0.05))
-        self.checked.add(request_id)
+        worker, _, n = request_id.rpartition("-")
+        self.last_taken[worker] = int(n)
+        self.taken += 1
         return self.pending.pop(request_id)
 
 
@@ -410,10 +417,12 @@ async def run_soak(settings: SoakSettings) -> SoakReport:
 
 async def _measure(running: RunningProxy, counter: RecordCounter, settings: SoakSettings, report: SoakReport,
                    ports: tuple[int, int]) -> None:
-    """Warm up (one request per worker), take the baseline, run the soak, measure again."""
+    """Warm up (until the ring is full), take the baseline, run the soak, measure again."""
     report.proxy_port, report.upstream_port = ports
     baseline_tasks = pending_tasks()
-    report.warmup = await run_phase(running, counter, settings, "warmup", 1, 0.0, report)
+    # the warm-up fills the ring, so the baseline already holds as many records as the end will
+    warmup_per_worker = max(1, -(-settings.ring_size // settings.streams))
+    report.warmup = await run_phase(running, counter, settings, "warmup", warmup_per_worker, 0.0, report)
     await _settle(running, ports[0], baseline_tasks)
     report.rss_before_mib = settle_memory() / (1 << 20)
     report.fds_before = fd_census(ports)
@@ -425,7 +434,7 @@ async def _measure(running: RunningProxy, counter: RecordCounter, settings: Soak
     report.fds_after = fd_census(ports)
     report.fds_free_after = report.fds_after.without(*ports)
     report.pending_tasks_after = sorted(repr(t.get_coro())[:120] for t in pending_tasks() - baseline_tasks)
-    report.records_seen = len(counter.checked) + len(counter.duplicates) + len(counter.pending)
+    report.records_seen = counter.taken + len(counter.duplicates) + len(counter.pending)
     report.duplicates = list(counter.duplicates)
     report.missing += sorted(counter.pending)  # records of requests no worker planned
     report.in_flight_after = running.concurrency.in_flight
