@@ -86,14 +86,6 @@ async def test_started_proxy_listens_on_loopback_sockets_only(make_proxy: ProxyF
 
 # --- no secrets in records, logs or the record API --------------------------------------------
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 async def secret_upstream() -> AsyncIterator[ScriptedUpstream]:
     server = ScriptedUpstream()
@@ -107,23 +99,25 @@ async def secret_upstream() -> AsyncIterator[ScriptedUpstream]:
 async def test_serve_subprocess_never_logs_or_records_prompts_completions_or_credentials(
         secret_upstream: ScriptedUpstream) -> None:
     token = "admin-token-for-this-test"
-    port, admin_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "serve", "--upstream", secret_upstream.url,
-        "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}", "--admin-token", token,
+        "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--admin-token", token,
         "--log-format", "json", "--log-level", "debug", "--gpu-poll-interval", "0", "--upstream-metrics", "off",
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    base, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    assert process.stdout is not None
+    first_lines: list[bytes] = []
     try:
+        async with asyncio.timeout(20):  # bounded: the `listening` line names both ports
+            while True:
+                line = await process.stdout.readline()
+                assert line, "serve exited before listening"
+                first_lines.append(line)
+                if b'"listening"' in line:
+                    listening = orjson.loads(line)
+                    break
+        base, admin = listening["proxy"], listening["admin"]
         async with aiohttp.ClientSession() as session:
-            for _ in range(200):  # bounded: 10 s to start listening
-                try:
-                    async with session.get(admin + "/healthz") as ready:
-                        if ready.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
             headers = {**SECRETS, "X-Request-Id": "secret-1"}
             async with session.post(f"{base}/v1/chat/completions?api_key={QUERY_SECRET}", json=secret_request(),
                                     headers=headers) as response:
@@ -146,7 +140,7 @@ async def test_serve_subprocess_never_logs_or_records_prompts_completions_or_cre
     finally:
         process.terminate()
         stdout, stderr = await asyncio.wait_for(process.communicate(), 15)
-    log = stdout.decode()
+    log = b"".join(first_lines).decode() + stdout.decode()
     responses = [orjson.loads(line) for line in log.splitlines() if line.startswith("{") and '"response"' in line]
     assert [r["request_id"] for r in responses if r.get("event") == "response"] == ["secret-1"]
     assert orjson.loads(record_text)["stop_reason"] == "eos"
