@@ -296,7 +296,10 @@ class _Exchange:
             if closed is not None:
                 closed.remove_done_callback(fail_unended)  # pooled connections outlive the exchange
             self._finish_observation(max_gap)
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionError:  # gone before the end of the body reached it, as above
+            self.client_gone = True
         return response
 
     def _finish_observation(self, max_gap: float) -> None:
