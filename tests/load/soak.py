@@ -67,6 +67,7 @@ class PhaseFigures:
     ring_max: int
     by_scenario: dict[str, int]
     by_stop_reason: dict[str, int]
+    rss_timeline: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class SoakReport:
     fd_soft_limit: int = 0
     proxy_port: int = 0
     upstream_port: int = 0
+    disconnects_after_hand_over: int = 0  # recorded `eos`: the whole answer was written first
     server_errors: list[str] = field(default_factory=list)  # aiohttp's own error log lines (tracebacks)
 
     def lines(self) -> list[str]:
@@ -107,9 +109,13 @@ class SoakReport:
                            f"{phase.peak_in_flight}, ring max {phase.ring_max}/{s.ring_size}")
                 out.append(f"  scenarios {phase.by_scenario}")
                 out.append(f"  stop reasons {phase.by_stop_reason}")
+                if len(phase.rss_timeline) > 1:
+                    out.append("  RSS MiB every 30 s: " + ", ".join(
+                        f"{seconds:.0f}s {mib:.1f} ({records} rec)" for seconds, mib, records in phase.rss_timeline))
         out.append(f"records: {self.records_seen} seen, {len(self.duplicates)} duplicated, {len(self.missing)} "
                    f"missing, {len(self.wrong)} with an unexpected diagnosis; store {self.store_len}/"
-                   f"{s.ring_size} (total {self.store_total})")
+                   f"{s.ring_size} (total {self.store_total}); {self.disconnects_after_hand_over} hang-ups "
+                   f"came after the whole answer was handed over (eos)")
         out.append(f"in flight after: tracker {self.in_flight_after}, gauge {self.in_flight_gauge_after:g}; "
                    f"pending tasks after: {len(self.pending_tasks_after)}")
         out.append(f"RSS MiB: start {self.rss_start_mib:.1f}, after warm-up {self.rss_before_mib:.1f}, "
@@ -260,10 +266,8 @@ def _request(plan: Plan, settings: SoakSettings) -> tuple[str, dict[str, Any], d
                          "options": {"num_predict": budget}}, headers
 
 
-async def run_one(session: aiohttp.ClientSession, base: str, plan: Plan, settings: SoakSettings,
-                  hung_up: dict[str, float]) -> str | None:
-    """Play one plan as a client; returns a one-line problem, or None when the client saw what it should.
-    A planned disconnect notes its (unix) time in `hung_up`."""
+async def run_one(session: aiohttp.ClientSession, base: str, plan: Plan, settings: SoakSettings) -> str | None:
+    """Play one plan as a client; returns a one-line problem, or None when the client saw what it should."""
     path, body, headers = _request(plan, settings)
     try:
         async with asyncio.timeout(settings.request_timeout_s):
@@ -274,7 +278,6 @@ async def run_one(session: aiohttp.ClientSession, base: str, plan: Plan, setting
                     for _ in range(plan.at):
                         if not await response.content.readline():
                             return f"{plan.request_id}: stream ended before the planned disconnect"
-                    hung_up[plan.request_id] = time.time()
                     response.close()  # drop the connection mid-stream
                     return None
                 if plan.scenario == "slow":
@@ -292,15 +295,21 @@ async def run_one(session: aiohttp.ClientSession, base: str, plan: Plan, setting
         return f"{plan.request_id}: {type(exc).__name__}: {exc}"[:200]
 
 
-def check_record(plan: Plan, record: ResponseRecord, hung_up_at: float | None) -> str | None:
-    """A one-line problem when the record's diagnosis is not what the plan made happen.
+def handed_over(plan: Plan, record: ResponseRecord) -> bool:
+    """A planned disconnect that came after the proxy had handed over the whole answer.
 
-    A client that hangs up after the proxy has handed over the whole answer (it sits in the
-    client's socket buffer, unread) got a complete answer: `eos` is then the truth.
+    The rest of the answer sits in the client's socket buffer, unread: the upstream ended it on
+    its own and every byte was written before the proxy could see the hang-up (the FIN had not
+    arrived yet). `eos` is then the truth about the answer.
     """
+    return (plan.scenario == "disconnect" and record.stop_reason == "eos" and not record.client_disconnected
+            and record.finish_reason_raw is not None)
+
+
+def check_record(plan: Plan, record: ResponseRecord) -> str | None:
+    """A one-line problem when the record's diagnosis is not what the plan made happen."""
     want = expected(plan)
-    if (plan.scenario == "disconnect" and record.stop_reason == "eos" and hung_up_at is not None
-            and record.started_at + record.duration_s <= hung_up_at):
+    if handed_over(plan, record):
         return None
     if record.stop_reason != want:
         return f"{plan.request_id} ({plan.dialect} {plan.scenario}@{plan.at}): {record.stop_reason}, want {want}"
@@ -314,18 +323,26 @@ def check_record(plan: Plan, record: ResponseRecord, hung_up_at: float | None) -
 class _Sampler:
     """Samples in-flight count, ring length and RSS every 50 ms while a phase runs."""
 
+    TIMELINE_EVERY_S = 30.0
+
     def __init__(self, running: RunningProxy) -> None:
         self.running = running
         self.peak_in_flight = 0
         self.ring_max = 0
         self.rss_peak = 0
+        self.timeline: list[tuple[float, float, int]] = []  # (seconds, RSS MiB, records so far)
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
+        started = next_mark = time.monotonic()
         while not self._stop.is_set():
             self.peak_in_flight = max(self.peak_in_flight, self.running.concurrency.in_flight)
             self.ring_max = max(self.ring_max, len(self.running.store))
-            self.rss_peak = max(self.rss_peak, rss_bytes())
+            rss = rss_bytes()
+            self.rss_peak = max(self.rss_peak, rss)
+            if time.monotonic() >= next_mark:
+                self.timeline.append((time.monotonic() - started, rss / (1 << 20), self.running.store.total))
+                next_mark += self.TIMELINE_EVERY_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.05)
 
@@ -354,8 +371,7 @@ async def run_phase(running: RunningProxy, counter: RecordCounter, settings: Soa
                     return
                 plan = plan_request(rng, f"{name}-{index}-{n}", settings)
                 scenarios[plan.scenario] += 1
-                hung_up: dict[str, float] = {}
-                problem = await run_one(session, running.proxy_url, plan, settings, hung_up)
+                problem = await run_one(session, running.proxy_url, plan, settings)
                 if problem is not None:
                     report.client_errors.append(problem)
                 record = await counter.take(plan.request_id, 10.0)  # the handler may still be finishing
@@ -363,7 +379,9 @@ async def run_phase(running: RunningProxy, counter: RecordCounter, settings: Soa
                     report.missing.append(plan.request_id)
                     continue
                 stops[record.stop_reason] += 1
-                problem = check_record(plan, record, hung_up.get(plan.request_id))
+                if handed_over(plan, record):
+                    report.disconnects_after_hand_over += 1
+                problem = check_record(plan, record)
                 if problem is not None:
                     report.wrong.append(problem)
 
@@ -377,7 +395,7 @@ async def run_phase(running: RunningProxy, counter: RecordCounter, settings: Soa
     await sampling
     report.rss_peak_mib = max(report.rss_peak_mib, sampler.rss_peak / (1 << 20))
     return PhaseFigures(sum(scenarios.values()), seconds, sampler.peak_in_flight, sampler.ring_max,
-                        dict(scenarios), dict(stops))
+                        dict(scenarios), dict(stops), sampler.timeline)
 
 
 async def _settle(running: RunningProxy, proxy_port: int, baseline: set[asyncio.Task[object]]) -> None:
