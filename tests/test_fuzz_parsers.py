@@ -23,6 +23,7 @@ from proxy.lines import LineSplitter
 from proxy.observation import StreamObservation
 from proxy.parsers import ResponseParser, parser_for
 from proxy.sse import SseDecoder
+from tests.chunking import split_at
 from tests.wire import ollama_stream, openai_stream
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
@@ -43,16 +44,6 @@ PLAIN_KINDS = [k for k, v in KINDS.items() if not v[2]]
 def make_parser(kind: str, max_line: int = 256, body_cap: int = 4096) -> ResponseParser:
     dialect, media, encoding = KINDS[kind]
     return parser_for(dialect, media, encoding, max_line=max_line, body_cap=body_cap)
-
-
-def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for point in points:
-        pieces.append(data[last:point])
-        last = point
-    pieces.append(data[last:])
-    return [p for p in pieces if p]
 
 
 def seen(events: list[Event]) -> tuple[list[Event], bool]:

@@ -11,17 +11,8 @@ from proxy.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimi
 from proxy.lines import LineSplitter
 from proxy.parsers import parser_for
 from proxy.sse import SseDecoder
+from tests.chunking import split_at
 from tests.wire import ollama_stream, openai_completion, openai_stream, sse
-
-
-def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for point in points:
-        pieces.append(data[last:point])
-        last = point
-    pieces.append(data[last:])
-    return [p for p in pieces if p]
 
 
 def feed_all(parser_kind: tuple[str, str], chunks: list[bytes]) -> list[Event]:

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import start_proxy
+from tests.chunking import split_at
 from tests.conftest import proxy_config
 from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.test_parsers import split_at
 from tests.wire import JSON_HEADERS, NDJSON_HEADERS, SSE_HEADERS, ollama_stream, openai_completion, openai_stream
 
 CASES = [
