@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from proxy.app import RunningProxy, start_proxy
 from proxy.config import HostPort, ProxyConfig
+from proxy.record import ResponseRecord
 from tests.scripted_upstream import ScriptedUpstream
 
 LOOPBACK_ANY = HostPort("127.0.0.1", 0)
@@ -57,3 +59,13 @@ async def proxy(upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> Running
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
+
+
+async def record_for(proxy: RunningProxy, request_id: str) -> ResponseRecord:
+    """The proxy's record of a request, once it is stored (it lands just after the last byte)."""
+    for _ in range(500):
+        record = proxy.store.get(request_id)
+        if record is not None:
+            return record
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no record for {request_id}")

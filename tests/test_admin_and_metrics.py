@@ -9,9 +9,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import RunningProxy
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, record_for
 from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.test_stop_reasons import CHAT, CHAT_URL, record_for
+from tests.test_stop_reasons import CHAT, CHAT_URL
 from tests.wire import JSON_HEADERS, openai_stream
 
 

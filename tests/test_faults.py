@@ -16,8 +16,7 @@ import orjson
 import pytest
 
 from proxy.app import RunningProxy
-from proxy.record import ResponseRecord
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, record_for
 from tests.faulty_upstream import BIG_BODY_SIZE, HEALTHY_BODY, MIB, FaultyUpstream, big_body_block
 from tests.load.resources import fd_census, raise_fd_limit, rss_bytes, settle_memory
 
@@ -33,15 +32,6 @@ async def faulty() -> AsyncIterator[FaultyUpstream]:
     await server.close()
 
 
-async def record_of(proxy: RunningProxy, request_id: str) -> ResponseRecord:
-    for _ in range(500):
-        record = proxy.store.get(request_id)
-        if record is not None:
-            return record
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no record for {request_id}")
-
-
 async def healthy_stream(proxy: RunningProxy, request_id: str = "healthy") -> None:
     """A normal stream through the same proxy: it must end complete and byte-identical."""
     async with aiohttp.ClientSession(auto_decompress=False) as session, session.post(
@@ -49,7 +39,7 @@ async def healthy_stream(proxy: RunningProxy, request_id: str = "healthy") -> No
         body = await response.read()
     assert response.status == 200
     assert body == HEALTHY_BODY
-    assert (await record_of(proxy, request_id)).stop_reason == "eos"
+    assert (await record_for(proxy, request_id)).stop_reason == "eos"
 
 
 async def beside_healthy(proxy: RunningProxy, fault: Awaitable[Any]) -> Any:
@@ -89,7 +79,7 @@ async def test_refused_connection_is_a_json_502_recorded_as_connect_error(make_p
     assert status == 502
     assert body is not None and body["error"]["type"] == "upstream_unavailable"
     assert body["error"]["source"] == "llm-diag-proxy"
-    record = await record_of(proxy, "refused")
+    record = await record_for(proxy, "refused")
     assert (record.stop_reason, record.upstream_error) == ("upstream_error", "connect")
     # the upstream comes back on that port: the same proxy serves it at once
     upstream = FaultyUpstream()
@@ -105,7 +95,7 @@ async def test_reset_after_accept_is_a_json_502_recorded_as_reset(faulty: Faulty
     proxy = await make_proxy(faulty.url)
     status, body, _, _ = await beside_healthy(proxy, post(proxy, "reset", "reset"))
     assert status == 502 and body is not None and body["error"]["type"] == "upstream_reset"
-    record = await record_of(proxy, "reset")
+    record = await record_for(proxy, "reset")
     assert (record.stop_reason, record.upstream_error) == ("upstream_error", "reset")
 
 
@@ -116,7 +106,7 @@ async def test_headers_then_hang_ends_visibly_at_the_idle_timeout(faulty: Faulty
     assert status == 200 and error is None
     assert body.endswith(b"\n\n") and b'"idle_timeout"' in body.rsplit(b"data: ", 1)[1]
     assert b"[DONE]" not in body
-    record = await record_of(proxy, "hang")
+    record = await record_for(proxy, "hang")
     assert record.stop_reason == "idle_timeout" and record.deadline_hit == "idle"
 
 
@@ -125,7 +115,7 @@ async def test_no_answer_at_all_is_a_json_504_at_the_deadline(faulty: FaultyUpst
     proxy = await make_proxy(faulty.url, deadline_s=0.8, deadline_mode="enforce")
     status, body, _, _ = await post(proxy, "no_answer", "silent")
     assert status == 504 and body is not None and body["error"]["type"] == "deadline_exceeded"
-    record = await record_of(proxy, "silent")
+    record = await record_for(proxy, "silent")
     assert record.stop_reason == "deadline" and record.deadline_hit == "total"
 
 
@@ -134,7 +124,7 @@ async def test_no_answer_with_default_config_waits_for_the_client_and_frees_the_
     proxy = await make_proxy(faulty.url)  # no deadline by default: the client decides how long to wait
     with pytest.raises(TimeoutError):
         await beside_healthy(proxy, post(proxy, "no_answer", "patient", timeout=0.5))
-    record = await record_of(proxy, "patient")
+    record = await record_for(proxy, "patient")
     assert record.stop_reason == "client_disconnect" and record.disconnect_phase == "before_first_token"
     for _ in range(200):  # the proxy closed its upstream connection too
         if faulty.disconnects or proxy.concurrency.in_flight == 0:
@@ -149,7 +139,7 @@ async def test_truncated_chunked_body_breaks_the_client_connection_and_is_record
     status, _, _, error = await beside_healthy(proxy, post(proxy, "truncated_chunked", "truncated"))
     assert status == 200
     assert error == "ClientPayloadError"  # the client sees a broken body, never a clean end
-    record = await record_of(proxy, "truncated")
+    record = await record_for(proxy, "truncated")
     assert (record.stop_reason, record.upstream_error) == ("upstream_disconnect", "reset")
 
 
@@ -158,7 +148,7 @@ async def test_invalid_chunk_size_mid_body_is_recorded_as_reset(faulty: FaultyUp
     proxy = await make_proxy(faulty.url)
     status, _, _, error = await beside_healthy(proxy, post(proxy, "bad_chunk_size", "badchunk"))
     assert status == 200 and error == "ClientPayloadError"
-    record = await record_of(proxy, "badchunk")
+    record = await record_for(proxy, "badchunk")
     assert (record.stop_reason, record.upstream_error) == ("upstream_disconnect", "reset")
 
 
@@ -169,7 +159,7 @@ async def test_unparseable_response_head_is_a_json_502_that_says_so(fault: str, 
     status, body, _, _ = await beside_healthy(proxy, post(proxy, fault, fault))
     assert status == 502 and body is not None and body["error"]["source"] == "llm-diag-proxy"
     assert body["error"]["type"] == "upstream_invalid_response"
-    record = await record_of(proxy, fault)
+    record = await record_for(proxy, fault)
     assert (record.stop_reason, record.upstream_error) == ("upstream_error", "reset")
     detail = record.upstream_error_detail or ""
     print(f"\n{fault}: {body['error']['type']}: {detail}")
@@ -203,7 +193,7 @@ async def test_hundred_mib_json_body_passes_whole_with_bounded_memory(faulty: Fa
     for _ in range(BIG_BODY_SIZE // len(block)):
         expected.update(block)
     assert size == BIG_BODY_SIZE and digest.digest() == expected.digest()
-    record = await record_of(proxy, "big")
+    record = await record_for(proxy, "big")
     assert record.bytes_out == BIG_BODY_SIZE
     # the parse copy stops at the 32 MiB cap and says so; the diagnosis does not guess
     assert record.parse_error and "parse cap" in (record.parse_error_detail or "")
@@ -237,7 +227,7 @@ async def test_slow_request_body_under_the_parse_cap_reaches_the_upstream_whole(
     # the proxy reads a body under its parse cap before it connects: the impatient upstream never waits
     assert status == 200 and answer == HEALTHY_BODY
     assert faulty.received[-1].body == body and faulty.received[-1].complete
-    assert (await record_of(proxy, "slowbody")).stop_reason == "eos"
+    assert (await record_for(proxy, "slowbody")).stop_reason == "eos"
 
 
 async def test_slow_request_body_over_the_parse_cap_streams_and_the_upstream_verdict_is_recorded(
@@ -246,7 +236,7 @@ async def test_slow_request_body_over_the_parse_cap_streams_and_the_upstream_ver
     body = orjson.dumps({**CHAT, "padding": "p" * 400})
     status, answer = await beside_healthy(proxy, slow_body(proxy, "want_body_fast", "slowbig", body, 8, 0.1))
     assert status == 408 and orjson.loads(answer) == {"error": "request body too slow"}
-    record = await record_of(proxy, "slowbig")
+    record = await record_for(proxy, "slowbig")
     assert (record.stop_reason, record.upstream_error, record.status) == ("upstream_error", "http_status", 408)
 
 
@@ -265,7 +255,7 @@ async def test_client_gone_during_request_body_leaves_a_record_and_sends_nothing
         await writer.wait_closed()
 
     await beside_healthy(proxy, abandon())
-    record = await record_of(proxy, "abandoned")
+    record = await record_for(proxy, "abandoned")
     assert record.stop_reason == "client_disconnect" and record.client_disconnected
     assert not any(b"abandoned" in r.head for r in faulty.received)  # the half body never went upstream
     assert proxy.concurrency.in_flight == 0

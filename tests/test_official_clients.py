@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from proxy.app import RunningProxy
+from tests.conftest import record_for
 from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.test_stop_reasons import record_for
 from tests.wire import JSON_HEADERS, NDJSON_HEADERS, ollama_stream, openai_completion, openai_stream
 
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from proxy.app import RunningProxy
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, record_for
 from tests.scripted_upstream import Script, ScriptedUpstream
 from tests.wire import (
     DONE,
@@ -24,15 +24,6 @@ from tests.wire import (
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 64}
 CHAT_URL = "/v1/chat/completions"
-
-
-async def record_for(proxy: RunningProxy, request_id: str) -> object:
-    for _ in range(300):
-        record = proxy.store.get(request_id)
-        if record is not None:
-            return record
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no record for {request_id}")
 
 
 async def exchange(client: aiohttp.ClientSession, proxy: RunningProxy, script: Script, upstream: ScriptedUpstream,
