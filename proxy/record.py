@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 StopReason = Literal[
@@ -110,7 +110,8 @@ class ResponseRecord:
     observer_errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a flat dict (a shallow copy: dataclasses.asdict's deep copy costs ~10x)."""
+        return {name: getattr(self, name) for name in _RECORD_FIELDS}
 
     @property
     def truncated(self) -> bool:
@@ -125,3 +126,6 @@ class ResponseRecord:
         if self.stop_reason == "length" and self.length_cause == "server_limit":
             return "server_limit"
         return self.stop_reason
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
