@@ -18,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from proxy.admin import UpstreamProbe, build_admin_app
 from proxy.concurrency import InFlightTracker
 from proxy.config import HostPort, ProxyConfig
-from proxy.forward import Forwarder
+from proxy.forward import Forwarder, connection_reuse_trace
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import Observer, ObserverChain
@@ -26,20 +26,27 @@ from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
 
 _log = structlog.get_logger("llm_diag_proxy")
+POOLED_IDLE_S = 3.0
 
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     """The client session to the upstream: no decompression (bytes pass as sent), no cookie jar
-    (clients must not share cookies), no proxy settings from the environment, no pool limit, and
-    a fresh connection per request: llama-server closes its connection after every streamed
-    response despite `Keep-Alive`, and a pooled dead socket would turn the next request into a
-    502 the server never saw. A generation lasts seconds; a loopback connect costs microseconds."""
+    (clients must not share cookies), no proxy settings from the environment, no pool limit.
+
+    Connections are pooled: a fresh one per request costs a connect and an accept on the
+    critical path of every first token. A pooled connection idles at most
+    POOLED_IDLE_S, less than the keep-alive timeouts of uvicorn (vLLM) and cpp-httplib
+    (llama-server), 5 s each, so the proxy does not pick one the server is closing; one the
+    server closed anyway (llama-server closes after every streamed response despite
+    `Keep-Alive`) is retried on a fresh connection by the forwarder (`UpstreamAttempt`).
+    """
     return aiohttp.ClientSession(
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         trust_env=False,
         timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
-        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True, force_close=True),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_IDLE_S, enable_cleanup_closed=True),
+        trace_configs=[connection_reuse_trace()],
     )
 
 

@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -94,6 +95,34 @@ def enforcement_event(media: str, kind: str, message: str) -> bytes:
     if media == "text/event-stream":
         return b"data: " + payload + b"\n\n"
     return payload + b"\n"
+
+
+MAX_STALE_RETRIES = 3
+
+
+class UpstreamAttempt:
+    """One try at sending a request upstream; aiohttp's tracing marks it when the connection
+    came from the pool (`connection_reuse_trace`)."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _mark_reused(_session: aiohttp.ClientSession, context: SimpleNamespace,
+                       _params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    attempt = context.trace_request_ctx
+    if isinstance(attempt, UpstreamAttempt):
+        attempt.reused = True
+
+
+def connection_reuse_trace() -> aiohttp.TraceConfig:
+    """The trace the upstream session needs so that `_Exchange._send` can tell a dead pooled
+    connection (safe to send on again) from a server that failed on a fresh one (not)."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_mark_reused)
+    return trace
 
 
 class Forwarder:
@@ -196,9 +225,7 @@ class _Exchange:
         deadlines = Deadlines(self)
         try:
             async with deadlines.guard():
-                upstream = await self.fw.session.request(
-                    self.request.method, url, headers=headers, data=body, allow_redirects=False,
-                    skip_auto_headers=SKIP_AUTO_HEADERS)
+                upstream = await self._send(url, headers, body)
         except TimeoutError:
             if deadlines.fired:
                 return self._answer(504, "deadline_exceeded", self._enforcement_message())
@@ -222,6 +249,27 @@ class _Exchange:
             return await self._relay(upstream, deadlines)
         finally:
             upstream.close()
+
+    async def _send(self, url: URL, headers: CIMultiDict[str],
+                    body: bytes | AsyncIterator[bytes] | None) -> aiohttp.ClientResponse:
+        """Send the request; again, on another connection, when a pooled one turns out dead.
+
+        A connection the server closed while it sat in the pool fails before any response byte,
+        so the server never saw the request: sending it again is what browsers do for any
+        method (RFC 9112 section 9.3.1). Only replayable bodies are sent again, at most
+        MAX_STALE_RETRIES times; the record counts the retries.
+        """
+        send = functools.partial(self.fw.session.request, self.request.method, url, headers=headers,
+                                 data=body, allow_redirects=False, skip_auto_headers=SKIP_AUTO_HEADERS)
+        replayable = body is None or isinstance(body, bytes)
+        while True:
+            attempt = UpstreamAttempt()
+            try:
+                return await send(trace_request_ctx=attempt)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if not (attempt.reused and replayable and self.record.upstream_retries < MAX_STALE_RETRIES):
+                    raise
+            self.record.upstream_retries += 1
 
     def _answer(self, status: int, kind: str, message: str) -> web.Response:
         """The proxy's own JSON answer, for when the upstream gave none."""

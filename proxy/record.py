@@ -89,6 +89,7 @@ class ResponseRecord:
     disconnect_phase: Literal["before_first_token", "mid_stream"] | None = None
     upstream_error: UpstreamErrorKind | None = None
     upstream_error_detail: str | None = None
+    upstream_retries: int = 0  # sent again after a pooled connection turned out closed
     parse_error: bool = False
     parse_error_detail: str | None = None
     bytes_out: int = 0

@@ -1,0 +1,124 @@
+"""The upstream connection pool: connections are reused, and a pooled connection the server
+closed meanwhile costs a retry on a fresh one, never a 502 for a request the server never saw."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import ProxyFactory, record_for
+
+ANSWER = orjson.dumps({"id": "cmpl-1", "object": "chat.completion", "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
+REQUEST = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "x"}]})
+
+
+@dataclass
+class KeepAliveUpstream:
+    """A raw HTTP/1.1 server that keeps connections open; `answer_per_connection` limits how
+    many requests one connection gets answered: the next one is read, then the connection is
+    closed unanswered, as by a server whose keep-alive ran out just as the request came."""
+
+    answer_per_connection: int | None = None
+    connections: int = 0
+    answered: int = 0
+    dropped: int = 0
+    bodies: list[bytes] = field(default_factory=list)
+    server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                if self.answer_per_connection is not None and served >= self.answer_per_connection:
+                    self.dropped += 1
+                    break
+                served += 1
+                self.answered += 1
+                self.bodies.append(body)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
+                await writer.drain()
+        writer.close()
+
+
+@pytest.fixture
+async def keepalive() -> AsyncIterator[KeepAliveUpstream]:
+    upstream = KeepAliveUpstream()
+    upstream.server = await asyncio.start_server(upstream._serve, "127.0.0.1", 0)
+    yield upstream
+    upstream.server.close()
+
+
+async def post(session: aiohttp.ClientSession, url: str, request_id: str, body: bytes = REQUEST) -> tuple[int, bytes]:
+    async with session.post(url + "/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "X-Request-Id": request_id}) as response:
+        return response.status, await response.read()
+
+
+async def test_sequential_requests_share_one_upstream_connection(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(keepalive.url)
+    for i in range(5):
+        assert await post(client, proxy.proxy_url, f"pool-{i}") == (200, ANSWER)
+    assert keepalive.connections == 1
+    assert keepalive.answered == 5
+    assert (await record_for(proxy, "pool-4")).upstream_retries == 0
+
+
+async def test_a_dead_pooled_connection_is_retried_on_a_fresh_one(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    keepalive.answer_per_connection = 1  # every reused connection dies under the request
+    proxy = await make_proxy(keepalive.url)
+    assert await post(client, proxy.proxy_url, "first") == (200, ANSWER)
+    assert await post(client, proxy.proxy_url, "second") == (200, ANSWER)
+    record = await record_for(proxy, "second")
+    assert record.upstream_retries == 1
+    assert (record.status, record.stop_reason, record.upstream_error) == (200, "eos", None)
+    assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (2, 2, 1)
+    assert keepalive.bodies == [REQUEST, REQUEST]  # the retry sends the same bytes
+    assert (await record_for(proxy, "first")).upstream_retries == 0
+
+
+async def test_a_fresh_connection_that_dies_is_not_retried(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    keepalive.answer_per_connection = 0  # the server may have seen it: sending again is not safe
+    proxy = await make_proxy(keepalive.url)
+    status, body = await post(client, proxy.proxy_url, "fresh")
+    assert status == 502
+    assert orjson.loads(body)["error"]["type"] == "upstream_reset"
+    record = await record_for(proxy, "fresh")
+    assert (record.upstream_retries, record.upstream_error) == (0, "reset")
+    assert (keepalive.connections, keepalive.dropped) == (1, 1)
+
+
+async def test_a_streamed_request_body_is_not_sent_twice(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    keepalive.answer_per_connection = 1
+    proxy = await make_proxy(keepalive.url, request_body_cap_bytes=1024)
+    assert await post(client, proxy.proxy_url, "small") == (200, ANSWER)
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4096}]})
+    status, _ = await post(client, proxy.proxy_url, "big", big)  # over the cap: streamed, not replayable
+    assert status == 502
+    record = await record_for(proxy, "big")
+    assert (record.upstream_retries, record.upstream_error) == (0, "reset")
+    assert keepalive.dropped == 1
