@@ -3,10 +3,12 @@
 One run starts a fast upstream (its own process, streaming 1,000-token SSE responses), the
 proxy (its own process, `python -m proxy serve`), and a load generator here, at 1, 8 and 64
 concurrent streams, first direct, then through the proxy. It prints tokens/s both ways, their
-ratio, the TTFT the proxy adds (p50, p99) and the proxy's CPU time per relayed chunk.
+ratio, the TTFT the proxy adds (p50, p99) and the proxy's CPU time per relayed chunk; then the
+TTFT of single requests to the idle server, direct and proxied in turn.
 
     python benchmarks/overhead.py                      # paced like a real server (5 ms/token)
     python benchmarks/overhead.py --token-interval 0   # unpaced: as fast as the upstream can write
+    python benchmarks/overhead.py --baseline           # aiohttp alone: the floor of the stack
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def run_upstream(port: int, tokens: int, interval: float) -> None:
     }) + b"\n\n" + b"data: [DONE]\n\n"
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        await request.read()
+        asked = orjson.loads(await request.read()).get("max_tokens") or tokens
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         loop = asyncio.get_running_loop()
         start = loop.time()
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(chunks[:asked]):
             if interval:
                 delay = start + i * interval - loop.time()
                 if delay > 0:
@@ -104,6 +106,22 @@ async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> tup
     return total / elapsed, ttfts
 
 
+async def idle_ttft(direct_url: str, proxied_url: str, samples: int) -> tuple[list[float], list[float]]:
+    """TTFT of single requests to an otherwise idle server, direct and proxied in turn (so that
+    a drift of the machine's speed hits both alike), each on a warm pooled connection."""
+    direct: list[float] = []
+    proxied: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url in (direct_url, proxied_url):
+            await one_stream(session, url, 1)
+        for i in range(samples):
+            order = ((direct_url, direct), (proxied_url, proxied))
+            for url, out in order if i % 2 else order[::-1]:
+                ttft, _ = await one_stream(session, url, 1)
+                out.append(ttft)
+    return direct, proxied
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -112,6 +130,12 @@ def cpu_seconds(pid: int) -> float:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def added_ms(direct: list[float], proxied: list[float]) -> tuple[float, float]:
+    """The TTFT the proxy adds, p50 and p99, in milliseconds."""
+    return ((statistics.median(proxied) - statistics.median(direct)) * 1000,
+            (percentile(proxied, 0.99) - percentile(direct, 0.99)) * 1000)
 
 
 def wait_for(port: int) -> None:
@@ -128,7 +152,11 @@ def main() -> int:
     parser.add_argument("--levels", default="1,8,64")
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=2, help="closed-loop rounds per level")
+    parser.add_argument("--ttft-samples", type=int, default=200,
+                        help="single requests, direct and proxied in turn, for the idle TTFT (0 = skip)")
     parser.add_argument("--token-interval", type=float, default=0.005, help="seconds between tokens, 0 = unpaced")
+    parser.add_argument("--baseline", action="store_true",
+                        help="measure benchmarks/bare_passthrough.py (aiohttp alone) in place of the proxy")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -139,7 +167,8 @@ def main() -> int:
     upstream = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--port", str(up_port),
                                  "--tokens", str(args.tokens), "--token-interval", str(args.token_interval)])
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
+        [sys.executable, *(["benchmarks/bare_passthrough.py"] if args.baseline else ["-m", "proxy", "serve"]),
+         "--upstream", f"http://127.0.0.1:{up_port}",
          "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
          "--gpu-poll-interval", "0", "--upstream-metrics", "off", "--log-format", "json"],
         cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -155,7 +184,8 @@ def main() -> int:
         direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
         proxied_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
         mode = f"paced at {args.token_interval * 1000:g} ms/token" if args.token_interval else "unpaced"
-        print(f"# llm-diag-proxy overhead: {args.tokens}-token SSE streams, {mode}, {args.rounds} rounds per level, "
+        subject = "bare aiohttp pass-through (baseline)" if args.baseline else "llm-diag-proxy"
+        print(f"# {subject} overhead: {args.tokens}-token SSE streams, {mode}, {args.rounds} rounds per level, "
               f"{os.cpu_count()} CPUs")
         print(f"{'streams':>7} {'direct tok/s':>13} {'proxied tok/s':>14} {'ratio':>6} "
               f"{'+TTFT p50 ms':>13} {'+TTFT p99 ms':>13} {'proxy CPU us/chunk':>19}")
@@ -165,10 +195,16 @@ def main() -> int:
             proxied_rate, proxied_ttft = asyncio.run(level(proxied_url, concurrency, args.rounds, args.tokens))
             cpu_used = cpu_seconds(proxy.pid) - cpu_before
             chunks = (args.rounds * concurrency + 1) * (args.tokens + 1)
-            added_p50 = (statistics.median(proxied_ttft) - statistics.median(direct_ttft)) * 1000
-            added_p99 = (percentile(proxied_ttft, 0.99) - percentile(direct_ttft, 0.99)) * 1000
+            added_p50, added_p99 = added_ms(direct_ttft, proxied_ttft)
             print(f"{concurrency:>7} {direct_rate:>13,.0f} {proxied_rate:>14,.0f} {proxied_rate / direct_rate:>6.3f} "
                   f"{added_p50:>13.2f} {added_p99:>13.2f} {cpu_used / chunks * 1e6:>19.1f}", flush=True)
+        if args.ttft_samples:
+            direct_ttft, proxied_ttft = asyncio.run(idle_ttft(direct_url, proxied_url, args.ttft_samples))
+            added_p50, added_p99 = added_ms(direct_ttft, proxied_ttft)
+            print(f"# idle TTFT, {args.ttft_samples} single requests each way, in turn: direct p50 "
+                  f"{statistics.median(direct_ttft) * 1000:.2f} ms, proxied p50 "
+                  f"{statistics.median(proxied_ttft) * 1000:.2f} ms, added p50 {added_p50:.2f} ms, "
+                  f"added p99 {added_p99:.2f} ms")
     finally:
         for process in (proxy, upstream):
             process.terminate()
