@@ -38,7 +38,7 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     POOLED_IDLE_S, less than the keep-alive timeouts of uvicorn (vLLM) and cpp-httplib
     (llama-server), 5 s each, so the proxy does not pick one the server is closing; one the
     server closed anyway (llama-server closes after every streamed response despite
-    `Keep-Alive`) is retried on a fresh connection by the forwarder (`UpstreamAttempt`).
+    `Keep-Alive`) is sent again on another connection by the forwarder (`UpstreamAttempt`).
     """
     return aiohttp.ClientSession(
         auto_decompress=False,

@@ -254,10 +254,11 @@ class _Exchange:
                     body: bytes | AsyncIterator[bytes] | None) -> aiohttp.ClientResponse:
         """Send the request; again, on another connection, when a pooled one turns out dead.
 
-        A connection the server closed while it sat in the pool fails before any response byte,
-        so the server never saw the request: sending it again is what browsers do for any
-        method (RFC 9112 section 9.3.1). Only replayable bodies are sent again, at most
-        MAX_STALE_RETRIES times; the record counts the retries.
+        A connection the server closed while it sat in the pool fails before any response byte:
+        the server was done with it, not with this request. Sending it again is what browsers do
+        for any method in that case (RFC 9112 section 9.3.1 on retrying requests). Only
+        replayable bodies are sent again, at most MAX_STALE_RETRIES times; the record counts
+        the retries.
         """
         send = functools.partial(self.fw.session.request, self.request.method, url, headers=headers,
                                  data=body, allow_redirects=False, skip_auto_headers=SKIP_AUTO_HEADERS)
