@@ -74,6 +74,9 @@ class ProxyMetrics:
             ["kind", "mode"], registry=r)
         self.upstream_errors = Counter(
             "llm_proxy_upstream_errors", "Upstream failures by kind.", ["kind"], registry=r)
+        self.upstream_retries = Counter(
+            "llm_proxy_upstream_retries", "Requests sent again because a pooled upstream connection "
+            "turned out closed by the server.", registry=r)
         self.parse_errors = Counter(
             "llm_proxy_parse_errors", "Responses whose bytes the parser could not fully read.",
             ["dialect"], registry=r)
@@ -174,6 +177,8 @@ class MetricsObserver:
         m._child(m.duration, record.route, model, stop).observe(record.duration_s)
         if record.upstream_error is not None:
             m._child(m.upstream_errors, record.upstream_error).inc()
+        if record.upstream_retries:
+            m.upstream_retries.inc(record.upstream_retries)
         if record.parse_error:
             m._child(m.parse_errors, record.dialect).inc()
         if record.observer_errors:

@@ -97,6 +97,8 @@ async def test_a_dead_pooled_connection_is_retried_on_a_fresh_one(
     assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (2, 2, 1)
     assert keepalive.bodies == [REQUEST, REQUEST]  # the retry sends the same bytes
     assert (await record_for(proxy, "first")).upstream_retries == 0
+    async with client.get(proxy.admin_url + "/metrics") as response:
+        assert "llm_proxy_upstream_retries_total 1.0\n" in await response.text()
 
 
 async def test_a_fresh_connection_that_dies_is_not_retried(
