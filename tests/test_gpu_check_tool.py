@@ -151,3 +151,14 @@ def test_judge_without_a_driver_when_one_was_expected_fails() -> None:
     assert failed(**common, expect_gpu="auto") == []
     assert failed(**{**common, "events": events * 2}, expect_gpu="auto") == [
         "exactly one gpu_telemetry_unavailable log line"]
+
+
+def test_holder_state_reads_what_the_upstream_child_said() -> None:
+    held = gpu_check.holder_state("gpu_check holder: pid 12 holds 1024 MiB on cuda:0\n"
+                                  "gpu_check holder: reached 4096 MiB\n")
+    assert held == {"active": True, "pid": 12, "base_mib": 1024, "reached_mib": 4096, "note": None}
+    oom = gpu_check.holder_state("gpu_check holder: failed: OutOfMemoryError: CUDA out of memory\n")
+    assert (oom["active"], oom["note"]) == (False, "failed: OutOfMemoryError: CUDA out of memory")
+    assert gpu_check.holder_state("gpu_check holder: torch not importable; holding no GPU memory\n")["note"] == (
+        "torch not importable")
+    assert "said nothing" in gpu_check.holder_state("")["note"]

@@ -112,14 +112,19 @@ def hold_gpu_memory(base_mib: int, step_mib: int, max_mib: int, every_s: float) 
     if not torch.cuda.is_available():
         print("gpu_check holder: torch sees no CUDA device; holding no GPU memory", file=sys.stderr, flush=True)
         return
-    held = [torch.empty(base_mib * MIB, dtype=torch.uint8, device="cuda").fill_(1)]
+    try:
+        held = [torch.empty(base_mib * MIB, dtype=torch.uint8, device="cuda").fill_(1)]
+    except Exception as exc:  # CUDA errors come in many classes; any means: nothing held
+        print(f"gpu_check holder: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return
     total = base_mib
     print(f"gpu_check holder: pid {os.getpid()} holds {total} MiB on cuda:{torch.cuda.current_device()}",
           file=sys.stderr, flush=True)
-    while total + step_mib <= max_mib:
-        time.sleep(every_s)
-        held.append(torch.empty(step_mib * MIB, dtype=torch.uint8, device="cuda").fill_(1))
-        total += step_mib
+    with contextlib.suppress(Exception):  # stop growing where memory runs out; what is held stays
+        while total + step_mib <= max_mib:
+            time.sleep(every_s)
+            held.append(torch.empty(step_mib * MIB, dtype=torch.uint8, device="cuda").fill_(1))
+            total += step_mib
     print(f"gpu_check holder: reached {total} MiB", file=sys.stderr, flush=True)
     threading.Event().wait()  # keep `held` alive until the process ends
 
@@ -155,6 +160,14 @@ async def wait_http(url: str, deadline: float, child: subprocess.Popen[bytes]) -
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not answer 200 within {START_TIMEOUT_S:.0f} s")
             await asyncio.sleep(0.2)
+
+
+def wait_holder(log: Path, deadline: float, child: subprocess.Popen[bytes]) -> None:
+    """Wait until the upstream's memory holder says what it holds (or why it holds nothing)."""
+    while "gpu_check holder:" not in log.read_text(errors="replace"):
+        if child.poll() is not None or time.monotonic() > deadline:
+            return  # judged from the log afterwards: the holder is reported inactive
+        time.sleep(0.2)
 
 
 async def one_chat(session: Any, url: str, index: int, max_tokens: int) -> dict[str, Any]:
@@ -220,13 +233,13 @@ def holder_state(upstream_log: str) -> dict[str, Any]:
     """What the upstream child's memory holder reported: pid and MiB held, or why not."""
     held = re.search(r"gpu_check holder: pid (\d+) holds (\d+) MiB", upstream_log)
     reached = re.search(r"gpu_check holder: reached (\d+) MiB", upstream_log)
-    refused = re.search(r"gpu_check holder: (torch .*?); holding", upstream_log)
-    failed = "Traceback" in upstream_log and held is None
+    refused = re.search(r"gpu_check holder: (torch .*?); holding|gpu_check holder: (failed: .*)", upstream_log)
+    note = next((g for g in refused.groups() if g), None) if refused else None
+    if held is None and note is None:
+        note = "the holder said nothing: see upstream.log"
     return {"active": held is not None, "pid": int(held.group(1)) if held else None,
             "base_mib": int(held.group(2)) if held else None,
-            "reached_mib": int(reached.group(1)) if reached else None,
-            "note": refused.group(1) if refused else ("the holder thread failed: see upstream.log"
-                                                     if failed else None)}
+            "reached_mib": int(reached.group(1)) if reached else None, "note": note}
 
 
 class Verdict:
@@ -388,6 +401,8 @@ def run_check(args: argparse.Namespace) -> int:
             children.append(upstream)
             asyncio.run(wait_http(f"http://127.0.0.1:{upstream_port}/v1/models",
                                   time.monotonic() + START_TIMEOUT_S, upstream))
+            if args.hold_mib:  # torch's import and CUDA init may take longer than the simulator's start
+                wait_holder(out / "upstream.log", time.monotonic() + START_TIMEOUT_S, upstream)
             proxy = subprocess.Popen([sys.executable, "-m", "proxy", "serve",
                                       "--upstream", f"http://127.0.0.1:{upstream_port}",
                                       "--listen", f"127.0.0.1:{proxy_port}",
@@ -411,7 +426,7 @@ def run_check(args: argparse.Namespace) -> int:
             stop(child)
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     upstream_text = (out / "upstream.log").read_text(errors="replace") if (out / "upstream.log").exists() else ""
-    holder = holder_state(upstream_text)
+    holder = holder_state(upstream_text) if args.hold_mib else {"active": False, "note": "--hold-mib 0"}
     samples = parse_metrics(metrics_text) if metrics_text else []
     events = log_events(out / "proxy.log") if (out / "proxy.log").exists() else []
     upstream_pid = children[0].pid if children else None
