@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,7 @@ def probe_nvml() -> dict[str, Any]:
         snapshot = reader.read()
         result["device_count"] = snapshot.device_count
         result["errors"] = list(snapshot.errors)
-        result["gpus"] = [{"index": g.index, "uuid": g.uuid, "name": g.name, "used_bytes": g.used_bytes,
-                           "free_bytes": g.free_bytes, "total_bytes": g.total_bytes,
-                           "utilization_ratio": g.utilization_ratio,
-                           "processes": [{"pid": p.pid, "name": p.name, "used_bytes": p.used_bytes}
-                                         for p in g.processes]}
-                          for g in snapshot.gpus]
+        result["gpus"] = [asdict(g) for g in snapshot.gpus]
     except pynvml.NVMLError as exc:
         result["error"] = f"{error_kind('nvmlDeviceGetCount', exc)} ({exc})"
     finally:
@@ -247,9 +243,8 @@ class Verdict:
         self.checks: list[dict[str, Any]] = []
         self.findings: list[str] = []
 
-    def check(self, name: str, ok: bool, detail: Any = None) -> bool:
+    def check(self, name: str, ok: bool, detail: Any = None) -> None:
         self.checks.append({"check": name, "ok": bool(ok), "detail": detail})
-        return bool(ok)
 
     @property
     def ok(self) -> bool:
