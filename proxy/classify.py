@@ -24,6 +24,9 @@ _OPENAI_FINISH: dict[str, StopReason] = {
     "tool_calls": "tool_calls",
     "function_call": "tool_calls",
     "content_filter": "content_filter",
+    # vLLM 0.32 (vllm/v1/engine/__init__.py, FINISH_REASON_STRINGS): the engine cut a degenerate
+    # answer because the client's `repetition_detection` found a repeating token pattern.
+    "repetition": "repetition",
 }
 # Ollama's done_reason (server/routes.go): stop, length, load, unload.
 _OLLAMA_DONE: dict[str, StopReason] = {
@@ -53,6 +56,7 @@ class WireFacts:
     done: bool = False
     parse_failed: bool = False
     output_tokens: int | None = None
+    tokens_exact: bool = True  # False: output_tokens is a lower bound (content chunks counted)
     requested_max_tokens: int | None = None
     n: int | None = None
     stop_requested: bool = False
@@ -87,17 +91,23 @@ def finish_stop_reason(dialect: str, finish: Finish) -> StopReason:
     return reason
 
 
-def length_cause(output_tokens: int | None, requested: int | None, n: int | None) -> LengthCause:
+def length_cause(output_tokens: int | None, requested: int | None, n: int | None, *,
+                 exact: bool = True) -> LengthCause:
     """`requested_budget` when the length stop came at the client's budget, `server_limit` before it.
 
     No budget requested means the server's own limit decided (its default, or the context).
+    A count that is only a lower bound (content chunks, when the server sent no usage: one chunk
+    can carry several tokens, or none that shows as text) proves a stop at the budget when it
+    reaches it, but never a stop before it: then the cause is `unknown`, not `server_limit`.
     """
     if requested is None:
         return "server_limit"
     if output_tokens is None:
         return "unknown"
     per_choice = output_tokens / n if n and n > 1 else output_tokens
-    return "requested_budget" if per_choice >= requested else "server_limit"
+    if per_choice >= requested:
+        return "requested_budget"
+    return "server_limit" if exact else "unknown"
 
 
 def classify(facts: WireFacts) -> Verdict:
@@ -126,12 +136,17 @@ def classify(facts: WireFacts) -> Verdict:
     if facts.upstream_reset:
         return Verdict("upstream_disconnect", upstream_error="reset", upstream_error_detail=facts.error_detail)
     if facts.finish is not None:
-        if facts.dialect != "ollama" and (facts.finish.reason or "").lower() == "abort":
+        raw = (facts.finish.reason or "").lower()
+        if facts.dialect != "ollama" and raw == "abort":
             # vLLM's "abort": the engine dropped the request before it finished.
             return Verdict("upstream_error", upstream_error="abort", upstream_error_detail="finish_reason=abort")
+        if facts.dialect != "ollama" and raw == "error":
+            # vLLM's "error": a request-level engine failure (e.g. a KV load failure).
+            return Verdict("upstream_error", upstream_error="error_event", upstream_error_detail="finish_reason=error")
         reason = finish_stop_reason(facts.dialect, facts.finish)
         if reason == "length":
-            cause = length_cause(facts.output_tokens, facts.requested_max_tokens, facts.n)
+            cause = length_cause(facts.output_tokens, facts.requested_max_tokens, facts.n,
+                                 exact=facts.tokens_exact)
             return Verdict("length", length_cause=cause)
         if reason == "eos" and facts.stop_requested and not facts.finish.distinguishes_stop:
             # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.

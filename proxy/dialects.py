@@ -82,7 +82,13 @@ def openai_events(obj: Any) -> list[Event]:
     if "stop" in obj and "choices" not in obj:
         events.extend(llamacpp_events(obj))
     elif isinstance(obj.get("timings"), dict):
-        events.append(_llamacpp_timings(obj["timings"]))
+        # llama-server's OpenAI routes put its timings on the finish chunk, with `predicted_n`:
+        # the server's own count of generated tokens, exact where content chunks only bound it.
+        timings = obj["timings"]
+        events.append(_llamacpp_timings(timings))
+        predicted = _int(timings.get("predicted_n"))
+        if predicted is not None and not isinstance(usage, dict):
+            events.append(Usage(None, predicted))
     return events
 
 

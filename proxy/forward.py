@@ -449,6 +449,7 @@ class _Exchange:
             upstream_reset=self.upstream_reset, client_disconnected=self.client_gone,
             enforced=self.enforced, finish=obs.finish, error=obs.error, done=obs.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
+            tokens_exact=record.tokens_source != "counted",
             requested_max_tokens=record.requested_max_tokens, n=record.n,
             stop_requested=self.info.stop_requested))
         record.stop_reason = verdict.stop_reason

@@ -80,7 +80,10 @@ class StreamObservation:
                 if self.finish is None or (event.choice == 0 and self.finish.choice != 0):
                     self.finish = event
             elif isinstance(event, Usage):
-                self.usage = event
+                old = self.usage  # a later report fills in, never erases, what an earlier one said
+                self.usage = event if old is None else Usage(
+                    old.prompt_tokens if event.prompt_tokens is None else event.prompt_tokens,
+                    old.completion_tokens if event.completion_tokens is None else event.completion_tokens)
             elif isinstance(event, Done):
                 self.done = True
             elif isinstance(event, ErrorEvent):

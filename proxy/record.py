@@ -11,6 +11,7 @@ StopReason = Literal[
     "length",
     "tool_calls",
     "content_filter",
+    "repetition",
     "client_disconnect",
     "upstream_disconnect",
     "deadline",
@@ -53,7 +54,8 @@ class ResponseRecord:
     """Why one response ended, under how much concurrency, and how fast its tokens came.
 
     Figures that are estimates say so: `tokens_source` is `counted` when the output token
-    count comes from counting content chunks rather than from the server's own `usage`.
+    count comes from counting content chunks rather than from the server's own count; such a
+    count is a lower bound (a chunk can carry several tokens, or one that shows no text yet).
     """
 
     request_id: str

@@ -51,6 +51,12 @@ def test_length_cause_unknown_without_a_token_count() -> None:
     assert length_cause(None, 64, None) == "unknown"
 
 
+def test_a_lower_bound_below_the_budget_is_never_a_server_limit() -> None:
+    assert length_cause(40, 64, None, exact=False) == "unknown"
+    assert length_cause(64, 64, None, exact=False) == "requested_budget"
+    assert length_cause(10, None, None, exact=False) == "server_limit"  # no budget: the server decided
+
+
 def test_length_cause_divides_tokens_between_choices() -> None:
     assert length_cause(128, 64, 2) == "requested_budget"
     assert length_cause(100, 64, 2) == "server_limit"

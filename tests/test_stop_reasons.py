@@ -61,11 +61,40 @@ async def test_length_stop_below_requested_budget_is_server_limit(upstream: Scri
     assert record.truncation_cause == "server_limit"
 
 
-async def test_counted_tokens_say_they_are_counted(upstream: ScriptedUpstream, proxy: RunningProxy,
-                                                   client: aiohttp.ClientSession) -> None:
+async def test_counted_tokens_below_the_budget_leave_the_length_cause_unknown(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
     _, _, record = await exchange(client, proxy, Script(openai_stream(9, "length", usage=False)), upstream)
     assert record.output_tokens == 9 and record.tokens_source == "counted"
-    assert record.length_cause == "server_limit"
+    assert record.length_cause == "unknown" and record.truncation_cause != "server_limit"
+
+
+async def test_counted_tokens_reaching_the_budget_prove_the_requested_budget(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    _, _, record = await exchange(client, proxy, Script(openai_stream(64, "length", usage=False)), upstream)
+    assert (record.tokens_source, record.length_cause) == ("counted", "requested_budget")
+
+
+async def test_a_budget_stop_whose_chunks_undercount_is_never_a_server_limit(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    """vLLM under load: 64 tokens in 40 chunks, some with several tokens, some `"content": ""`."""
+    chunks = [sse(chat_chunk("", role=True))]
+    chunks += [sse(chat_chunk("" if i % 5 == 0 else "tok tok")) for i in range(39)]
+    chunks += [sse(chat_chunk("end", "length")), DONE]
+    _, _, record = await exchange(client, proxy, Script(chunks), upstream)
+    assert record.stop_reason == "length" and record.tokens_source == "counted"
+    assert record.output_tokens is not None and record.output_tokens < 64
+    assert record.length_cause == "unknown" and record.truncation_cause != "server_limit"
+
+
+async def test_llamacpp_timings_give_the_servers_own_token_count(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    """llama-server's OpenAI stream sends no usage unless asked, but `timings.predicted_n` always."""
+    final = chat_chunk(None, "length")
+    del final["choices"][0]["stop_reason"]
+    final["timings"] = {"prompt_n": 5, "prompt_ms": 1.0, "predicted_n": 64, "predicted_ms": 20.0}
+    chunks = [sse(chat_chunk("", role=True)), *(sse(chat_chunk("x")) for _ in range(50)), sse(final), DONE]
+    _, _, record = await exchange(client, proxy, Script(chunks), upstream)
+    assert (record.output_tokens, record.tokens_source, record.length_cause) == (64, "usage", "requested_budget")
 
 
 async def test_tool_calls_and_content_filter(upstream: ScriptedUpstream, proxy: RunningProxy,
@@ -80,6 +109,19 @@ async def test_vllm_abort_is_an_upstream_error(upstream: ScriptedUpstream, proxy
                                                client: aiohttp.ClientSession) -> None:
     _, _, record = await exchange(client, proxy, Script(openai_stream(2, "abort")), upstream)
     assert record.stop_reason == "upstream_error" and record.upstream_error == "abort"
+
+
+async def test_vllm_repetition_is_its_own_stop_and_a_cut(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                                          client: aiohttp.ClientSession) -> None:
+    _, _, record = await exchange(client, proxy, Script(openai_stream(20, "repetition")), upstream)
+    assert (record.stop_reason, record.finish_reason_raw) == ("repetition", "repetition")
+    assert record.truncated and record.truncation_cause == "repetition"
+
+
+async def test_vllm_error_finish_is_an_upstream_error(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                                       client: aiohttp.ClientSession) -> None:
+    _, _, record = await exchange(client, proxy, Script(openai_stream(3, "error")), upstream)
+    assert (record.stop_reason, record.upstream_error) == ("upstream_error", "error_event")
 
 
 @pytest.mark.parametrize("status", [429, 503])

@@ -100,7 +100,7 @@ def client_record(plan: SweepPlan, request_id: str, started_at: float, status: i
         error_detail=detail, upstream_reset=reset, client_disconnected=client_gone,
         finish=obs.finish if obs else None, error=obs.error if obs else None,
         done=obs.done if obs else False, parse_failed=bool(obs and obs.parse_errors),
-        output_tokens=tokens, requested_max_tokens=plan.max_tokens)
+        output_tokens=tokens, tokens_exact=usage_tokens is not None, requested_max_tokens=plan.max_tokens)
     verdict = classify(facts)
     itl_mean, itl_p95, itl_max = obs.itl_stats() if obs is not None else (None, None, None)
     first = obs.first_token_at if obs is not None else None
