@@ -25,7 +25,7 @@ def state(running: float | None = None, waiting: float | None = None, kv: float 
 
 def record(start: float, duration: float) -> ResponseRecord:
     r = ResponseRecord(request_id="r1", method="POST", path="/v1/chat/completions", route="chat",
-                       dialect="openai", started_at=start)
+                       dialect="openai", started_at=start, status=200, stop_reason="eos")
     r.duration_s = duration
     return r
 
@@ -124,12 +124,23 @@ def test_preemptions_across_a_counter_reset_count_what_came_after_it() -> None:
     assert rec.preemptions_during == 3.0
 
 
-def test_response_without_a_sample_after_its_start_has_no_preemption_count() -> None:
-    ring = upstream_ring((99.5, state(running=4, preempted=10)), (101.0, state(preempted=11)))
+def test_response_without_a_sample_inside_its_life_has_no_server_figures() -> None:
+    ring = upstream_ring((99.5, state(running=4, kv=0.9, preempted=10)), (101.0, state(preempted=11)))
     rec = record(100.0, 0.5)
     observe(rec, upstream=ring)
-    assert rec.upstream_running_max == 4  # the sample just before the start stands for it
+    assert (rec.upstream_running_max, rec.kv_cache_usage_max) == (None, None)  # 99.5 is another moment
     assert rec.preemptions_during is None and rec.preemptions_scope is None
+
+
+def test_a_request_the_server_refused_carries_no_server_figures() -> None:
+    ring = upstream_ring((99.5, state(running=4, kv=0.9, preempted=10)), (100.2, state(running=5, kv=1.0,
+                                                                                      preempted=12)))
+    for status, stop in ((400, "upstream_error"), (429, "rejected"), (None, "upstream_error")):
+        rec = record(100.0, 0.5)
+        rec.status, rec.stop_reason = status, stop  # type: ignore[assignment]
+        observe(rec, upstream=ring)
+        assert (rec.upstream_running_max, rec.upstream_waiting_max, rec.kv_cache_usage_max,
+                rec.preemptions_during) == (None, None, None, None), status
 
 
 def test_no_preemption_count_without_a_fresh_sample_before_the_start() -> None:

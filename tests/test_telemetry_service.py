@@ -28,7 +28,7 @@ async def fake_upstream() -> AsyncIterator[FakeUpstream]:
 
 def finished(started_at: float, duration_s: float) -> ResponseRecord:
     record = ResponseRecord(request_id="t", method="POST", path="/v1/completions", route="completions",
-                            dialect="openai", started_at=started_at)
+                            dialect="openai", started_at=started_at, status=200, stop_reason="eos")
     record.duration_s = duration_s
     return record
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -287,3 +290,38 @@ async def test_ollama_fixtures_are_what_the_official_client_reads(fake_upstream:
     ours = parse_ollama_ps(body).models
     assert [(m.model, m.size, m.size_vram, m.context_length) for m in response.models] == \
         [(m.name, m.size_bytes, m.vram_bytes, m.context_length) for m in ours]
+
+
+async def test_a_restarted_server_is_read_again_within_one_poll_interval(session: aiohttp.ClientSession) -> None:
+    """vLLM restarted: connection refused for a while, then the same server answers again."""
+    interval = 0.1
+    first = FakeUpstream()
+    await first.start()
+    first.routes["/metrics"] = (200, VLLM_V0.encode())
+    assert first.server is not None
+    port = first.server.port
+    ring: SampleRing[UpstreamState] = SampleRing(1000)
+    poller = UpstreamPoller(first.url, "auto", interval, ProxyMetrics(), ring, session, redetect_after=3)
+    task = asyncio.create_task(poller.run())
+    try:
+        while not len(ring):
+            await asyncio.sleep(0.01)
+        await first.server.close()
+        await asyncio.sleep(10 * interval)  # many failed polls: connection refused
+        assert poller.kind == "metrics"  # a restart is the same server: no re-detection needed
+        seen = len(ring)
+        second = FakeUpstream()
+        second.routes["/metrics"] = (200, VLLM_V0.encode())
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", second._handle)
+        second.server = TestServer(app, host="127.0.0.1", port=port)
+        await second.server.start_server()
+        back_at = time.monotonic()
+        while len(ring) == seen:
+            await asyncio.sleep(0.005)
+        assert time.monotonic() - back_at <= interval + 0.1
+        await second.server.close()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

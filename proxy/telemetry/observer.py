@@ -2,6 +2,12 @@
 
 An enricher: it runs before the exporters, so its fields reach the metrics, the log and the
 record store. It only reads the rings (bisect, then the samples of the window): no I/O.
+
+The server's own figures (running, waiting, KV usage, preemptions) describe a request only from
+samples taken inside its life, and only when the server took the request on: a request it
+refused (an HTTP error status, no answer at all) never ran, so it carries none. GPU memory is a
+reading of the machine, and a response shorter than the poll interval may use the sample just
+before it (see proxy.telemetry.samples).
 """
 
 from __future__ import annotations
@@ -14,6 +20,11 @@ from proxy.telemetry.samples import SampleRing, counter_increase, max_of, min_of
 from proxy.telemetry.upstream import UpstreamState
 
 PREEMPTIONS_SCOPE = "server_wide"
+
+
+def _ran_upstream(record: ResponseRecord) -> bool:
+    """The upstream took the request on: it answered, without an error status, a generation."""
+    return record.status is not None and record.status < 400 and record.stop_reason != "not_inference"
 
 
 def max_age_for(interval_s: float) -> float:
@@ -44,7 +55,7 @@ class TelemetryObserver:
         t1 = t0 + max(record.duration_s, 0.0)
         if self.gpu_ring is not None:
             self._fill_gpu(record, t0, t1)
-        if self.upstream_ring is not None:
+        if self.upstream_ring is not None and _ran_upstream(record):
             self._fill_upstream(record, t0, t1)
 
     def _fill_gpu(self, record: ResponseRecord, t0: float, t1: float) -> None:
@@ -65,7 +76,7 @@ class TelemetryObserver:
     def _fill_upstream(self, record: ResponseRecord, t0: float, t1: float) -> None:
         ring = self.upstream_ring
         assert ring is not None
-        window = [state for _, state in ring.window(t0, t1, self.upstream_max_age)]
+        window = [state for _, state in ring.window(t0, t1, max_age=0.0)]  # inside its life only
         if window:
             record.upstream_running_max = max_of(s.running for s in window)
             record.upstream_waiting_max = max_of(s.waiting for s in window)

@@ -227,12 +227,19 @@ class UpstreamFetchError(Exception):
         self.kind = kind
 
 
+# Failures where the server answered, but not with what we read: another server may now hold the port.
+_MISMATCH_KINDS = frozenset({"parse", "unrecognized", "http_404", "too_large"})
+
+
 class UpstreamPoller:
     """Polls the upstream's own state every `interval_s` into `ring`.
 
     `mode` auto detects once (vLLM-style `/metrics`, else Ollama `/api/ps`, else nothing,
-    said in one log line), re-detects every `redetect_s` while nothing was found, and after
-    `redetect_after` failed polls in a row. Failures are logged once per kind.
+    said in one log line) and re-detects every `redetect_s` while nothing was ever found.
+    A failed poll is retried at the same interval, so telemetry is back within one interval
+    of a restarted server answering again. The kind found is kept through connection
+    failures (a restart is the same server); only `redetect_after` answers in a row that are
+    not what that kind serves make auto mode detect again. Failures are logged once per kind.
     """
 
     def __init__(self, upstream: str, mode: Literal["auto", "vllm", "ollama"], interval_s: float,
@@ -242,7 +249,6 @@ class UpstreamPoller:
         self.upstream = upstream.rstrip("/")
         self.mode = mode
         self.interval_s = interval_s
-        self.retry_s = max(interval_s, min(5.0, 5 * interval_s))
         self.redetect_s = redetect_s
         self.redetect_after = redetect_after
         self.ring = ring
@@ -252,7 +258,9 @@ class UpstreamPoller:
         self.kind: Kind | None = "metrics" if mode == "vllm" else "ollama" if mode == "ollama" else None
         self._logged: set[str] = set()
         self._failures = 0
+        self._mismatches = 0  # failed polls in a row where the server answered something else
         self._up = False
+        self._ever_read = False
 
     async def _get(self, path: str) -> bytes:
         url = self.upstream + path
@@ -314,9 +322,11 @@ class UpstreamPoller:
         self.series.update(state)
         self.series.up(state.source, 1)
         if not self._up and self._failures:
-            _log.info("upstream_telemetry_recovered", source=state.source)
+            _log.info("upstream_telemetry_recovered", source=state.source, after_failed_polls=self._failures)
         self._up = True
+        self._ever_read = True
         self._failures = 0
+        self._mismatches = 0
 
     async def poll_once(self) -> bool:
         """One poll of the known kind; True on success."""
@@ -325,6 +335,7 @@ class UpstreamPoller:
             state = await self.fetch(self.kind)
         except UpstreamFetchError as exc:
             self._failures += 1
+            self._mismatches = self._mismatches + 1 if exc.kind in _MISMATCH_KINDS else 0
             self._up = False
             self.series.unknown()
             self.series.up("ollama" if self.kind == "ollama" else self._metrics_source(), 0)
@@ -332,7 +343,7 @@ class UpstreamPoller:
                 self._logged.add(exc.kind)
                 _log.warning("upstream_telemetry_error", upstream=self.upstream, error=exc.kind,
                              detail=str(exc))
-            if self.mode == "auto" and self._failures >= self.redetect_after:
+            if self.mode == "auto" and self._mismatches >= self.redetect_after:
                 self.kind = None
             return False
         self._store(state)
@@ -347,10 +358,11 @@ class UpstreamPoller:
     async def run(self) -> None:
         self.series.unknown()
         while True:
-            if self.kind is None:
-                if await self.detect() is None:
-                    await asyncio.sleep(self.redetect_s)
-                    continue
-                await asyncio.sleep(self.interval_s)
-            ok = await self.poll_once()
-            await asyncio.sleep(self.interval_s if ok else self.retry_s)
+            if self.kind is not None:
+                await self.poll_once()
+            elif await self.detect() is None:
+                # Nothing was ever found: look again now and then. Something was, and another
+                # server answers now: look again at the poll interval.
+                await asyncio.sleep(self.interval_s if self._ever_read else self.redetect_s)
+                continue
+            await asyncio.sleep(self.interval_s)
