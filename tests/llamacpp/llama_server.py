@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_BINARY = REPO_ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
+LCP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp tools/build_llama_server.sh builds
+CACHE_ROOT = Path(os.environ.get("LLM_DIAG_CACHE") or Path.home() / ".cache" / "llm-diag-proxy")
+BUILD_DIR = CACHE_ROOT / f"llama.cpp-{LCP_VERSION}"
+DEFAULT_BINARY = BUILD_DIR / "build" / "bin" / "llama-server"
 BINARY = Path(os.environ.get("LLAMA_SERVER_BIN", str(DEFAULT_BINARY)))
 START_TIMEOUT_S = 60.0
 ALIAS = "tiny"  # the model name the server reports (else it reports the .gguf path)

@@ -61,7 +61,9 @@ def _import_gguf() -> object:
     try:
         import gguf
     except ImportError:
-        vendored = sorted((Path(__file__).resolve().parents[2] / ".cache" / "llama.cpp").glob("src-*/gguf-py"))
+        from tests.llamacpp.llama_server import BUILD_DIR
+
+        vendored = sorted(BUILD_DIR.glob("src/gguf-py"))
         if not vendored:
             raise
         sys.path.insert(0, str(vendored[-1]))
