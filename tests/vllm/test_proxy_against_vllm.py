@@ -1,0 +1,332 @@
+"""End to end through the proxy against a real vLLM (CPU build): what it records is what vLLM did.
+
+The model (see conftest) answers every chat with the same 250 tokens, then EOS. Every 10th step of
+that answer is a two-byte character spelled as two byte tokens, whose first vLLM streams as
+`"content": ""`: so even one stream has fewer text-bearing chunks than tokens, and a stream
+without a usage chunk can only be counted from below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from proxy.metrics import ProxyMetrics
+from proxy.record import ResponseRecord
+from proxy.telemetry.samples import SampleRing
+from proxy.telemetry.upstream import UpstreamPoller, UpstreamState
+from tests.conftest import record_for
+from tests.llamacpp.tee import ByteTee, first_http_response
+from tests.vllm.conftest import EOS_AFTER
+from tests.vllm.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+GREEDY: dict[str, Any] = {"temperature": 0, "seed": 42}
+COMPLETION_TOKENS = EOS_AFTER + 1  # vLLM counts the EOS token it generated
+LONG_PROMPT = "uba ubi " * 80  # 324 prompt tokens: 188 of the 512-token context remain
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def client_for(running: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{running.proxy_url}/v1", api_key="unused", max_retries=0)
+
+
+async def stream_chat(running: Any, *, max_tokens: int | None, include_usage: bool, prompt: str = "hello",
+                      stop: list[str] | None = None, client: openai.AsyncOpenAI | None = None,
+                      ) -> tuple[ResponseRecord, int]:
+    """One streamed chat with the official client; (the proxy's record, content chunks the client saw).
+
+    Concurrent callers share one `client`: making one costs a TLS context (over 100 ms of CPU
+    here), and eight made at once stall the event loop the proxy under test runs on.
+    """
+    if client is None:
+        async with client_for(running) as own:
+            return await stream_chat(running, max_tokens=max_tokens, include_usage=include_usage, prompt=prompt,
+                                     stop=stop, client=own)
+    rid = new_id()
+    chunks = 0
+    events = await client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stop=stop,
+        stream=True, stream_options={"include_usage": True} if include_usage else None,
+        extra_headers={"X-Request-Id": rid}, **GREEDY)
+    async for event in events:
+        chunks += sum(1 for c in event.choices if c.delta.content)
+    return await record_for(running, rid), chunks
+
+
+async def whole_chat(running: Any, *, max_tokens: int | None, prompt: str = "hello",
+                     stop: list[str] | None = None) -> tuple[ResponseRecord, Any]:
+    rid = new_id()
+    async with client_for(running) as client:
+        response = await client.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stop=stop,
+            extra_headers={"X-Request-Id": rid}, **GREEDY)
+    return await record_for(running, rid), response
+
+
+async def vllm_gauge(vllm: VllmServer, name: str, *labels: str) -> float:
+    """The sum of a vLLM metric's samples whose labels include each of `labels` (`key="value"`)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{vllm.url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(label in line for label in labels))
+
+
+async def until(check: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+
+
+async def polled_proxy(proxy_for: Any, vllm: VllmServer) -> Any:
+    """A proxy whose poller has already read vLLM's /metrics twice, so requests have a baseline."""
+    running = await proxy_for(vllm.url)
+
+    async def polled() -> bool:
+        ring = running._telemetry.upstream_ring
+        return ring is not None and len(ring) >= 2
+
+    await until(polled)
+    return running
+
+
+# --- how answers end ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_an_answer_ending_with_eos_is_eos_streamed(vllm: VllmServer, proxy_for: Any,
+                                                          include_usage: bool) -> None:
+    running = await proxy_for(vllm.url)
+    record, chunks = await stream_chat(running, max_tokens=300, include_usage=include_usage)
+    assert (record.stop_reason, record.finish_reason_raw, record.status) == ("eos", "stop", 200)
+    if include_usage:
+        assert (record.output_tokens, record.tokens_source) == (COMPLETION_TOKENS, "usage")
+    else:  # the "" chunks of held-back bytes show no text: the count is a lower bound
+        assert record.tokens_source == "counted" and record.output_tokens == chunks < COMPLETION_TOKENS
+    assert record.prompt_tokens == (8 if include_usage else None)
+
+
+async def test_an_answer_ending_with_eos_is_eos_whole(vllm: VllmServer, proxy_for: Any) -> None:
+    running = await proxy_for(vllm.url)
+    record, response = await whole_chat(running, max_tokens=300)
+    assert response.choices[0].finish_reason == "stop"
+    assert (record.stop_reason, record.output_tokens, record.tokens_source) == ("eos", COMPLETION_TOKENS, "usage")
+    assert record.ttft_s is None or record.ttft_s <= record.duration_s
+
+
+async def test_a_stop_string_is_a_stop_sequence_named_by_vllm(vllm: VllmServer, proxy_for: Any,
+                                                               chain: dict[str, Any]) -> None:
+    word = chain["texts"][14]  # reached on the 15th token
+    running = await proxy_for(vllm.url)
+    record, _ = await stream_chat(running, max_tokens=300, include_usage=True, stop=[word])
+    assert (record.stop_reason, record.finish_reason_raw, record.stop_reason_certain) == (
+        "stop_sequence", "stop", True)
+    assert record.output_tokens is not None and record.output_tokens <= 15
+    record, _ = await whole_chat(running, max_tokens=300, stop=[word])
+    assert record.stop_reason == "stop_sequence"
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_a_stop_at_the_clients_budget_is_never_a_server_limit(vllm: VllmServer, proxy_for: Any,
+                                                                      chain: dict[str, Any],
+                                                                      include_usage: bool) -> None:
+    running = await proxy_for(vllm.url)
+    record, _ = await stream_chat(running, max_tokens=40, include_usage=include_usage)
+    assert (record.stop_reason, record.finish_reason_raw) == ("length", "length")
+    if include_usage:
+        assert (record.output_tokens, record.length_cause) == (40, "requested_budget")
+    else:  # 40 tokens, but the held-back bytes among them streamed as "": fewer text chunks
+        shown = sum(1 for text in chain["texts"][:40] if text)
+        assert shown < 40 and record.tokens_source == "counted" and record.output_tokens == shown
+        assert record.length_cause == "unknown"
+    assert record.truncation_cause != "server_limit"
+    record, _ = await whole_chat(running, max_tokens=40)
+    assert (record.length_cause, record.output_tokens) == ("requested_budget", 40)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_eight_concurrent_budget_stops_are_never_server_limits(vllm: VllmServer, proxy_for: Any,
+                                                                       include_usage: bool) -> None:
+    """The false alarm found on real vLLM: under load one chunk can carry several tokens."""
+    running = await proxy_for(vllm.url)
+    async with client_for(running) as client:
+        results = await asyncio.gather(*(stream_chat(running, max_tokens=200, include_usage=include_usage,
+                                                     client=client) for _ in range(8)))
+    for record, _ in results:
+        assert record.stop_reason == "length"
+        assert record.length_cause == ("requested_budget" if include_usage else "unknown")
+        assert record.output_tokens is not None and record.output_tokens <= 200
+
+
+async def test_a_budget_clamped_to_the_context_is_a_server_limit(vllm: VllmServer, proxy_for: Any) -> None:
+    """max_tokens 300 with a 324-token prompt: vLLM silently generates only 512 - 324 = 188."""
+    running = await proxy_for(vllm.url)
+    record, _ = await stream_chat(running, max_tokens=300, include_usage=True, prompt=LONG_PROMPT)
+    assert (record.stop_reason, record.length_cause) == ("length", "server_limit")
+    assert record.prompt_tokens is not None and record.output_tokens is not None
+    assert record.prompt_tokens + record.output_tokens == MAX_MODEL_LEN and record.output_tokens < 300
+    record, _ = await whole_chat(running, max_tokens=300, prompt=LONG_PROMPT)
+    assert (record.length_cause, record.output_tokens) == ("server_limit", MAX_MODEL_LEN - 324)
+    record, _ = await whole_chat(running, max_tokens=None, prompt=LONG_PROMPT)  # no budget: the context decided
+    assert (record.stop_reason, record.length_cause) == ("length", "server_limit")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_budget_over_the_context_is_a_400_recorded_as_an_http_error(vllm: VllmServer, proxy_for: Any,
+                                                                             stream: bool) -> None:
+    running = await polled_proxy(proxy_for, vllm)
+    rid = new_id()
+    async with client_for(running) as client:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(
+                model=SERVED_NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=600,
+                stream=stream, extra_headers={"X-Request-Id": rid})
+    assert "max_model_len" in str(raised.value)
+    record = await record_for(running, rid)
+    assert (record.status, record.stop_reason, record.upstream_error) == (400, "upstream_error", "http_status")
+    assert record.upstream_error_detail is not None and "max_model_len=512" in record.upstream_error_detail
+    # it never ran: no server figures from the samples around it
+    assert (record.kv_cache_usage_max, record.upstream_running_max, record.preemptions_during) == (None, None, None)
+
+
+# --- the client leaves, the server aborts ------------------------------------------------------
+
+async def test_a_client_leaving_mid_stream_is_recorded_and_frees_vllms_request(vllm: VllmServer,
+                                                                                proxy_for: Any) -> None:
+    running = await proxy_for(vllm.url)
+    rid = new_id()
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 300,
+            "stream": True, **GREEDY}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
+                                      headers={"X-Request-Id": rid})
+        seen = 0
+        async for _ in response.content.iter_any():
+            seen += 1
+            if seen >= 5:
+                break
+        response.close()
+    record = await record_for(running, rid)
+    assert (record.stop_reason, record.client_disconnected, record.disconnect_phase) == (
+        "client_disconnect", True, "mid_stream")
+
+    async def freed() -> bool:
+        return await vllm_gauge(vllm, "vllm:num_requests_running") == 0
+
+    await until(freed)
+
+
+async def test_a_server_side_abort_is_an_upstream_error_abort(vllm: VllmServer, proxy_for: Any) -> None:
+    """vLLM's abort endpoint (--enable-scale-out) ends the stream with finish_reason "abort"."""
+    running = await proxy_for(vllm.url)
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 300,
+            "stream": True, **GREEDY}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):  # the whole answer takes about 2 s; on a stalled machine it may beat the abort
+            rid = new_id()
+            async with session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
+                                    headers={"X-Request-Id": rid}) as response:
+                # The first chunk: the request is in the engine now (vLLM's head comes before it is).
+                # The proxy passed the client's X-Request-Id on, and vLLM names the request after it.
+                received = await response.content.readany()
+                async with session.post(f"{vllm.url}/inference/v1/abort_requests",
+                                        json={"request_ids": [f"chatcmpl-{rid}"]}) as aborted:
+                    assert aborted.status == 200
+                received += await response.read()
+            if b'"finish_reason":"abort"' in received:
+                break
+        else:
+            raise AssertionError("the answer always finished before vLLM's abort reached it")
+    record = await record_for(running, rid)
+    assert (record.stop_reason, record.upstream_error, record.finish_reason_raw) == (
+        "upstream_error", "abort", "abort")
+
+
+# --- load: preemption without truncation --------------------------------------------------------
+
+async def test_eight_concurrent_answers_on_a_tiny_kv_cache_are_preempted_yet_complete(
+        vllm: VllmServer, proxy_for: Any) -> None:
+    """24 blocks of 32 tokens hold three 260-token answers: the other five wait or are recomputed."""
+    running = await polled_proxy(proxy_for, vllm)
+    before = await vllm_gauge(vllm, "vllm:num_preemptions_total")
+    async with client_for(running) as client:
+        results = await asyncio.gather(*(stream_chat(running, max_tokens=300, include_usage=True, client=client)
+                                         for _ in range(8)))
+    records = [r for r, _ in results]
+    assert all((r.stop_reason, r.output_tokens) == ("eos", COMPLETION_TOKENS) for r in records)
+    assert await vllm_gauge(vllm, "vllm:num_preemptions_total") > before
+    assert any((r.preemptions_during or 0) > 0 for r in records)
+    assert all(r.preemptions_scope == "server_wide" for r in records if r.preemptions_during is not None)
+    assert max(r.kv_cache_usage_max or 0.0 for r in records) >= 0.5  # sampled every 0.1 s: peaks may fall between
+    assert all(r.kv_cache_usage_max is not None for r in records)
+    assert max(r.concurrency_peak for r in records) == 8
+
+
+# --- the wire ------------------------------------------------------------------------------------
+
+async def test_body_bytes_reach_the_client_exactly_as_vllm_sent_them(vllm: VllmServer, proxy_for: Any) -> None:
+    tee = ByteTee("127.0.0.1", vllm.port)
+    tee_url = await tee.start()
+    try:
+        running = await proxy_for(tee_url, upstream_metrics="off")
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 60,
+                "stream": True, **GREEDY}
+        async with aiohttp.ClientSession(auto_decompress=False) as session, session.post(
+                f"{running.proxy_url}/v1/chat/completions", json=body) as response:
+            received = await response.read()
+        await asyncio.sleep(0.1)
+        assert len(tee.from_upstream) == 1
+        status_line, _, sent = first_http_response(bytes(tee.from_upstream[0]))
+        assert status_line.startswith(b"HTTP/1.1 200") and received == sent
+        assert received.count(b'"content":""') >= 6  # the role chunk and the held-back bytes
+    finally:
+        await tee.close()
+
+
+async def test_vllms_own_metrics_pass_through_and_the_poller_reads_their_real_names(
+        vllm: VllmServer, proxy_for: Any) -> None:
+    running = await proxy_for(vllm.url)
+    async with aiohttp.ClientSession() as session, session.get(f"{running.proxy_url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", 'finished_reason="repetition"'):
+        assert name in text
+    ring: SampleRing[UpstreamState] = SampleRing(10)
+    async with aiohttp.ClientSession() as session:
+        poller = UpstreamPoller(running.proxy_url, "auto", 1.0, ProxyMetrics(), ring, session)
+        assert await poller.detect() == "metrics"
+    latest = ring.latest()
+    assert latest is not None
+    state = latest[1]
+    assert state.source == "vllm"
+    assert None not in (state.running, state.waiting, state.kv_cache_usage, state.preemptions_total)
+
+
+async def test_vllm_does_not_count_aborts_the_proxy_does(vllm: VllmServer, proxy_for: Any) -> None:
+    """Neither a client disconnect nor a server abort moves vLLM's finished_reason="abort" counter."""
+    before = await vllm_gauge(vllm, "vllm:request_success_total", 'finished_reason="abort"')
+    running = await proxy_for(vllm.url)
+    rid = new_id()
+    body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}],
+                       "max_tokens": 300, "stream": True}).encode()
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{running.proxy_url}/v1/chat/completions", data=body,
+                                      headers={"X-Request-Id": rid, "Content-Type": "application/json"})
+        await response.content.readany()
+        response.close()
+    assert (await record_for(running, rid)).stop_reason == "client_disconnect"
+    await asyncio.sleep(0.5)
+    after = await vllm_gauge(vllm, "vllm:request_success_total", 'finished_reason="abort"')
+    assert after == before

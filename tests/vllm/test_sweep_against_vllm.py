@@ -1,0 +1,33 @@
+"""`llm-diag-proxy sweep` through the proxy against a real vLLM: the verdict names the real cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm.sweep_demo import LONG_PROMPT, SHORT_PROMPT, sweep
+from tests.vllm.vllm_server import MAX_MODEL_LEN, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+
+async def test_preemption_without_truncation_is_no_load_effect_naming_the_preemptions(vllm: VllmServer) -> None:
+    outcome, printed = await sweep(vllm, SHORT_PROMPT, levels=(1, 2, 4, 8))
+    assert {s.record.stop_reason for s in outcome.samples} == {"eos"}
+    assert all(s.record_source == "proxy" for s in outcome.samples)
+    top = [s.record for s in outcome.samples if s.level == 8]
+    assert any((r.preemptions_during or 0) > 0 for r in top)
+    verdict = outcome.verdict
+    assert verdict.kind == "no_load_effect"
+    assert any("preempted" in line for line in verdict.evidence), verdict.evidence
+    assert "VERDICT (no_load_effect)" in printed
+
+
+async def test_a_context_that_clamps_every_answer_is_named_at_concurrency_one(vllm: VllmServer) -> None:
+    outcome, printed = await sweep(vllm, LONG_PROMPT, levels=(1, 2))
+    for sample in outcome.samples:
+        record = sample.record
+        assert (record.stop_reason, record.length_cause) == ("length", "server_limit")
+        assert (record.prompt_tokens or 0) + (record.output_tokens or 0) == MAX_MODEL_LEN
+    verdict = outcome.verdict
+    assert (verdict.kind, verdict.cause, verdict.onset_level) == ("baseline_truncation", "length:server_limit", 1)
+    assert "188 output tokens though 300 were requested" in printed
