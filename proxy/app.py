@@ -21,7 +21,7 @@ from proxy.config import HostPort, ProxyConfig
 from proxy.forward import Forwarder, connection_reuse_trace
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
-from proxy.observers import Observer, ObserverChain
+from proxy.observers import ObserverChain
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
 
@@ -108,7 +108,7 @@ async def _listen(app: web.Application, where: HostPort, **runner_options: Any) 
     return runner, f"http://{host}:{port}"
 
 
-async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
+async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...] = (),
                       log_records: bool | None = None) -> RunningProxy:
     """Start both listeners (port 0 picks a free port) and return once they accept connections."""
     metrics = ProxyMetrics(max_models=config.max_models)
@@ -124,6 +124,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
     chain.add(store)
     session = upstream_session(config)
     concurrency = InFlightTracker()
+    metrics.in_flight.set_function(lambda: concurrency.in_flight)
     forwarder = Forwarder(config, session, chain, concurrency)
     proxy_app = web.Application(client_max_size=config.request_body_cap_bytes)
     proxy_app.router.add_route("*", "/{tail:.*}", forwarder.handle)

@@ -1,7 +1,8 @@
 """Why a response ended: pure functions from what was seen on the wire to one stop reason.
 
-Nothing here guesses. Precedence, first match wins:
-connect failure > enforced deadline/idle timeout > client gone > 429/503 > other HTTP error
+Nothing here guesses, and nothing here knows a dialect: each dialect has already read its own
+finish value into a canonical one (`events.Finish.stop`). Precedence, first match wins:
+connect failure > enforced deadline/idle timeout > client gone > 429/503/529 > other HTTP error
 > error event > upstream reset > the server's own finish reason > explicit end without one
 > stream cut with no final event.
 """
@@ -15,35 +16,14 @@ from proxy.events import ErrorEvent, Finish
 from proxy.record import LengthCause, StopReason, UpstreamErrorKind
 
 _OOM = re.compile(r"out of memory|\boom\b|cudaMalloc|failed to allocate|insufficient memory", re.IGNORECASE)
-
-# OpenAI-compatible finish_reason values (vLLM, Ollama /v1, llama.cpp, SGLang, LM Studio).
-_OPENAI_FINISH: dict[str, StopReason] = {
-    "stop": "eos",
-    "eos": "eos",
-    "length": "length",
-    "tool_calls": "tool_calls",
-    "function_call": "tool_calls",
-    "content_filter": "content_filter",
-    # vLLM 0.32 (vllm/v1/engine/__init__.py, FINISH_REASON_STRINGS): the engine cut a degenerate
-    # answer because the client's `repetition_detection` found a repeating token pattern.
-    "repetition": "repetition",
-}
-# Ollama's done_reason (server/routes.go): stop, length, load, unload.
-_OLLAMA_DONE: dict[str, StopReason] = {
-    "stop": "eos",
-    "length": "length",
-    "load": "not_inference",
-    "unload": "not_inference",
-}
-# llama.cpp's native stop_type (tools/server): eos, word (a stop string), limit (n_predict or context).
-_LLAMACPP_STOP: dict[str, StopReason] = {"eos": "eos", "word": "stop_sequence", "limit": "length"}
+# Statuses that mean "not now": rate limits, an unavailable server, Anthropic's 529 overloaded.
+REJECTED_STATUSES = frozenset({429, 503, 529})
 
 
 @dataclass(frozen=True, slots=True)
 class WireFacts:
     """What the forwarding path and the parser saw; the input of `classify`."""
 
-    dialect: str
     inference: bool
     status: int | None
     connect_error: UpstreamErrorKind | None = None
@@ -63,7 +43,9 @@ class WireFacts:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Diagnosis:
+    """The canonical outcome of one response."""
+
     stop_reason: StopReason
     length_cause: LengthCause | None = None
     certain: bool = True
@@ -74,21 +56,6 @@ class Verdict:
 def is_oom(message: str) -> bool:
     """True when an error text says the server ran out of (GPU) memory."""
     return _OOM.search(message) is not None
-
-
-def finish_stop_reason(dialect: str, finish: Finish) -> StopReason:
-    """Map a server's raw finish value to the canonical stop reason."""
-    raw = (finish.reason or "").lower()
-    if dialect == "ollama":
-        return _OLLAMA_DONE.get(raw, "unknown")
-    if raw in _LLAMACPP_STOP and raw != "eos":
-        return _LLAMACPP_STOP[raw]
-    reason = _OPENAI_FINISH.get(raw, "unknown")
-    # vLLM names the matched stop string or token id in `stop_reason` (null for EOS);
-    # llama.cpp names it in `stopping_word`. Without such a field, "stop" is taken as EOS.
-    if reason == "eos" and finish.detail is not None:
-        return "stop_sequence"
-    return reason
 
 
 def length_cause(output_tokens: int | None, requested: int | None, n: int | None, *,
@@ -110,51 +77,54 @@ def length_cause(output_tokens: int | None, requested: int | None, n: int | None
     return "server_limit" if exact else "unknown"
 
 
-def classify(facts: WireFacts) -> Verdict:
+def classify(facts: WireFacts) -> Diagnosis:
     if facts.connect_error is not None:
-        return Verdict("upstream_error", upstream_error=facts.connect_error,
-                       upstream_error_detail=facts.error_detail)
+        return Diagnosis("upstream_error", upstream_error=facts.connect_error,
+                         upstream_error_detail=facts.error_detail)
     if facts.enforced == "total":
-        return Verdict("deadline")
+        return Diagnosis("deadline")
     if facts.enforced == "idle":
-        return Verdict("idle_timeout")
+        return Diagnosis("idle_timeout")
     if facts.client_disconnected:
-        return Verdict("client_disconnect")
+        return Diagnosis("client_disconnect")
     status = facts.status or 0
-    if status in (429, 503):
-        return Verdict("rejected", upstream_error_detail=_message(facts.error))
+    error = facts.error
+    if status in REJECTED_STATUSES or (error is not None and error.overloaded):
+        return Diagnosis("rejected", upstream_error_detail=_message(error))
     if status >= 400:
-        message = _message(facts.error)
+        message = _message(error)
         kind: UpstreamErrorKind = "oom" if message and is_oom(message) else "http_status"
-        return Verdict("upstream_error", upstream_error=kind,
-                       upstream_error_detail=f"HTTP {status}" + (f": {message}" if message else ""))
+        return Diagnosis("upstream_error", upstream_error=kind,
+                         upstream_error_detail=f"HTTP {status}" + (f": {message}" if message else ""))
     if not facts.inference:
-        return Verdict("not_inference")
-    if facts.error is not None:
-        kind = "oom" if is_oom(facts.error.message) else "error_event"
-        return Verdict("upstream_error", upstream_error=kind, upstream_error_detail=facts.error.message)
+        return Diagnosis("not_inference")
+    if error is not None:
+        kind = "oom" if is_oom(error.message) else "error_event"
+        return Diagnosis("upstream_error", upstream_error=kind, upstream_error_detail=error.message)
     if facts.upstream_reset:
-        return Verdict("upstream_disconnect", upstream_error="reset", upstream_error_detail=facts.error_detail)
-    if facts.finish is not None:
-        raw = (facts.finish.reason or "").lower()
-        if facts.dialect != "ollama" and raw == "abort":
-            # vLLM's "abort": the engine dropped the request before it finished.
-            return Verdict("upstream_error", upstream_error="abort", upstream_error_detail="finish_reason=abort")
-        if facts.dialect != "ollama" and raw == "error":
-            # vLLM's "error": a request-level engine failure (e.g. a KV load failure).
-            return Verdict("upstream_error", upstream_error="error_event", upstream_error_detail="finish_reason=error")
-        reason = finish_stop_reason(facts.dialect, facts.finish)
-        if reason == "length":
-            cause = length_cause(facts.output_tokens, facts.requested_max_tokens, facts.n,
-                                 exact=facts.tokens_exact)
-            return Verdict("length", length_cause=cause)
-        if reason == "eos" and facts.stop_requested and not facts.finish.distinguishes_stop:
-            # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.
-            return Verdict("eos", certain=False)
-        return Verdict(reason)
+        return Diagnosis("upstream_disconnect", upstream_error="reset", upstream_error_detail=facts.error_detail)
+    finish = facts.finish
+    if finish is not None:
+        return _finished(finish, facts)
     if facts.done or facts.parse_failed:
-        return Verdict("unknown")  # ended explicitly, or in bytes we could not read: no cause shown
-    return Verdict("upstream_disconnect")
+        return Diagnosis("unknown")  # ended explicitly, or in bytes we could not read: no cause shown
+    return Diagnosis("upstream_disconnect")
+
+
+def _finished(finish: Finish, facts: WireFacts) -> Diagnosis:
+    """The server's own finish, read by its dialect."""
+    if finish.upstream_error is not None:  # vLLM's abort and error: the engine failed the request
+        return Diagnosis("upstream_error", upstream_error=finish.upstream_error,
+                         upstream_error_detail=f"finish_reason={finish.reason}")
+    if finish.stop == "length":
+        if finish.context_limit:  # the server says the context, not the budget, ended it
+            return Diagnosis("length", length_cause="server_limit")
+        return Diagnosis("length", length_cause=length_cause(
+            facts.output_tokens, facts.requested_max_tokens, facts.n, exact=facts.tokens_exact))
+    if finish.stop == "eos" and facts.stop_requested and not finish.distinguishes_stop:
+        # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.
+        return Diagnosis("eos", certain=False)
+    return Diagnosis(finish.stop)
 
 
 def _message(error: ErrorEvent | None) -> str | None:

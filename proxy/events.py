@@ -1,4 +1,4 @@
-"""Typed events that the dialect parsers yield from the bytes of a response.
+"""Typed events that the dialects read from the bytes of a response.
 
 A parser never hands dicts around: each thing seen on the wire that matters to the
 diagnosis becomes one of these small frozen objects.
@@ -8,38 +8,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.record import StopReason, UpstreamErrorKind
+
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """A content-bearing chunk: one streamed piece of generated text (usually one token)."""
+    """A piece of generated output: `count` tokens at least (usually one), visible or reasoning.
+
+    Reasoning is the model's thinking (`delta.reasoning`, `message.thinking`, a `thinking_delta`),
+    counted apart from the visible answer but into the same total.
+    """
 
     count: int = 1
+    reasoning: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """The server said why a choice ended.
+    """The server said why a choice ended, already read by its dialect.
 
-    `reason` is the raw value (`finish_reason`, Ollama's `done_reason`, llama.cpp's
-    `stop_type`); `detail` carries what distinguishes a stop sequence from EOS where the
-    server says it (vLLM's `stop_reason`, llama.cpp's `stopping_word`), else None.
-    `distinguishes_stop` says whether the server has such a field at all: without one, a
-    plain "stop" may be EOS or a requested stop string alike.
+    `reason` is the server's raw value (`finish_reason`, `done_reason`, `stop_type`,
+    `stop_reason`, a Responses status); `stop` its canonical meaning from the dialect's table.
+    `detail` names a matched stop sequence where the server says it. `distinguishes_stop` says
+    whether the server has such a field at all: without one, a plain "stop" may be EOS or a
+    requested stop string alike. `upstream_error` marks a finish that is the engine's failure
+    (vLLM's `abort`, `error`); `context_limit` a length stop the server says the context caused
+    (Anthropic's `model_context_window_exceeded`), whatever the budget.
     """
 
     reason: str | None
+    stop: StopReason
     choice: int = 0
     detail: str | None = None
     truncated: bool | None = None
     distinguishes_stop: bool = True
+    upstream_error: UpstreamErrorKind | None = None
+    context_limit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts reported by the server itself (authoritative, unlike counted deltas)."""
+    """Token counts reported by the server itself (authoritative, unlike counted deltas).
+
+    A later report fills in what an earlier one left None; `reasoning_tokens` is the part of
+    `completion_tokens` spent thinking, where the server says.
+    """
 
     prompt_tokens: int | None
     completion_tokens: int | None
+    reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +71,20 @@ class ServerTimings:
 
 @dataclass(frozen=True, slots=True)
 class ErrorEvent:
-    """The server reported an error inside a response body (mid-stream or as the JSON body)."""
+    """The server reported an error inside a response body (mid-stream or as the JSON body).
+
+    `overloaded` marks an error that says the server is too busy to take the request
+    (Anthropic's `overloaded_error`): a rejection, not a failure.
+    """
 
     message: str
     type: str | None = None
+    overloaded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The explicit end of an SSE stream (`data: [DONE]`) or Ollama's `done: true` line."""
+    """The explicit end of a stream (`data: [DONE]`, Ollama's `done: true`, `message_stop`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,4 +98,6 @@ Event = TokenDelta | Finish | Usage | ServerTimings | ErrorEvent | Done | ParseE
 
 # Shared instances for the events seen on nearly every chunk, so the hot path allocates nothing.
 ONE_TOKEN = TokenDelta(1)
+ONE_REASONING_TOKEN = TokenDelta(1, reasoning=True)
 DONE = Done()
+NO_EVENTS: list[Event] = []

@@ -48,9 +48,6 @@ class LogObserver:
     def __init__(self, upstream: str) -> None:
         self._log = structlog.get_logger("llm_diag_proxy").bind(upstream=upstream)
 
-    def on_response_start(self, record: ResponseRecord) -> None:
-        pass
-
     def on_response(self, record: ResponseRecord) -> None:
         fields = record.to_dict()
         if not fields["observer_errors"]:

@@ -47,7 +47,8 @@ class ProxyMetrics:
         self.requests = Counter(
             "llm_proxy_requests", "Responses by how they ended, with the concurrency bucket of their peak.",
             ["route", "model", "stop_reason", "concurrency"], registry=r)
-        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now.", registry=r)
+        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
+                               "concurrency tracker at scrape time).", registry=r)
         self.output_tokens = Histogram(
             "llm_proxy_output_tokens", "Output tokens per response (usage when reported, else counted).",
             ["route", "model", "stop_reason", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
@@ -66,6 +67,9 @@ class ProxyMetrics:
         self.truncated = Counter(
             "llm_proxy_truncated", "Responses that did not end on their own, by cause.",
             ["model", "cause"], registry=r)
+        self.reasoning_exhausted = Counter(
+            "llm_proxy_reasoning_exhausted", "Length stops whose budget went mostly (50% or more) to "
+            "reasoning: the visible answer got what the thinking left.", ["model"], registry=r)
         self.client_disconnects = Counter(
             "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["phase"], registry=r)
@@ -157,19 +161,13 @@ class ProxyMetrics:
 
 
 class MetricsObserver:
-    """Turns each finished record into metric updates, and keeps the in-flight gauge."""
+    """Turns each finished record into metric updates."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
 
-    def on_response_start(self, record: ResponseRecord) -> None:
-        if record.route != "other":
-            self.metrics.in_flight.inc()
-
     def on_response(self, record: ResponseRecord) -> None:
         m = self.metrics
-        if record.route != "other":
-            m.in_flight.dec()
         model = m.model_label(record.model)
         stop = record.stop_reason
         bucket = concurrency_bucket(record.concurrency_peak)
@@ -196,6 +194,8 @@ class MetricsObserver:
         cause = record.truncation_cause
         if cause is not None:
             m._child(m.truncated, model, cause).inc()
+        if record.budget_mostly_reasoning:
+            m._child(m.reasoning_exhausted, model).inc()
         if record.client_disconnected and record.disconnect_phase is not None:
             m._child(m.client_disconnects, record.disconnect_phase).inc()
         if record.deadline_hit != "none":

@@ -1,7 +1,8 @@
 """Response parsers: a response's bytes in, typed events out, whatever the framing.
 
 Each parser is incremental (`feed` per chunk, `close` at the end) and never raises: what it
-cannot read becomes a `ParseError` event, and the bytes have been forwarded regardless.
+cannot read becomes a `ParseError` event, and the bytes have been forwarded regardless. The
+framing comes from the content type the server declared; what the JSON means, from the dialect.
 """
 
 from __future__ import annotations
@@ -12,18 +13,20 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.dialects import ollama_events, openai_events
-from proxy.events import DONE, Event, ParseError
+from proxy.dialects.base import Dialect
+from proxy.events import DONE, NO_EVENTS, Event, ParseError
 from proxy.ndjson import NdjsonDecoder
 from proxy.sse import SseDecoder
 
-_NO_EVENTS: list[Event] = []
+_NO_EVENTS = NO_EVENTS
 _DONE_PAYLOAD = b"[DONE]"
 
 Interpret = Callable[[Any], list[Event]]
 
 
 class ResponseParser(Protocol):
+    streaming: bool  # a stream of events (SSE, NDJSON), not one JSON document
+
     def feed(self, chunk: bytes) -> list[Event]: ...
 
     def close(self) -> list[Event]: ...
@@ -37,9 +40,10 @@ def _interpret(interpret: Interpret, payload: bytes) -> list[Event]:
 
 
 class SseParser:
-    """OpenAI-compatible (and llama.cpp) server-sent events."""
+    """Server-sent events (OpenAI-compatible, Anthropic, Responses, llama.cpp)."""
 
     __slots__ = ("_decoder", "_interpret", "_overlong")
+    streaming = True
 
     def __init__(self, interpret: Interpret, max_line: int) -> None:
         self._decoder = SseDecoder(max_line)
@@ -72,9 +76,10 @@ class SseParser:
 
 
 class NdjsonParser:
-    """Ollama's native newline-delimited JSON stream."""
+    """Newline-delimited JSON (Ollama's native stream)."""
 
     __slots__ = ("_decoder", "_interpret", "_overlong")
+    streaming = True
 
     def __init__(self, interpret: Interpret, max_line: int) -> None:
         self._decoder = NdjsonDecoder(max_line)
@@ -105,6 +110,7 @@ class JsonBodyParser:
     """A complete (non-streaming) JSON body, read from a bounded copy at the end."""
 
     __slots__ = ("_cap", "_chunks", "_interpret", "_size")
+    streaming = False
 
     def __init__(self, interpret: Interpret, cap: int) -> None:
         self._interpret = interpret
@@ -134,6 +140,7 @@ class UnknownParser:
     """A body in a framing we do not read: reported once, forwarded untouched."""
 
     __slots__ = ("_reason",)
+    streaming = False
 
     def __init__(self, reason: str) -> None:
         self._reason = reason
@@ -148,10 +155,11 @@ class UnknownParser:
 class DecompressingParser:
     """Reads a gzip- or deflate-encoded body from a copy; the client still gets the encoded bytes."""
 
-    __slots__ = ("_cap", "_inner", "_zlib")
+    __slots__ = ("_cap", "_inner", "_zlib", "streaming")
 
     def __init__(self, inner: ResponseParser, encoding: str, cap: int) -> None:
         self._inner = inner
+        self.streaming = inner.streaming
         self._cap = cap
         wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
         self._zlib: Any = zlib.decompressobj(wbits)
@@ -173,10 +181,10 @@ class DecompressingParser:
         return self._inner.close()
 
 
-def parser_for(dialect: str, content_type: str, content_encoding: str, *,
+def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *,
                max_line: int, body_cap: int) -> ResponseParser:
-    """The parser for one response of an inference route, chosen by what the server declared."""
-    interpret: Interpret = ollama_events if dialect == "ollama" else openai_events
+    """The parser for one response in `dialect`, its framing chosen by what the server declared."""
+    interpret: Interpret = dialect.events
     media = content_type.partition(";")[0].strip().lower()
     parser: ResponseParser
     if media == "text/event-stream":

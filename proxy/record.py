@@ -26,11 +26,13 @@ STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined
 # Stop reasons that mean the answer is complete; everything else counts as truncated.
 COMPLETE_STOP_REASONS = frozenset({"eos", "stop_sequence", "tool_calls"})
 
+# A length stop whose budget went at least this share to reasoning is "mostly reasoning".
+REASONING_HEAVY_SHARE = 0.5
+
 LengthCause = Literal["requested_budget", "server_limit", "unknown"]
 UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
 DeadlineKind = Literal["none", "total", "idle"]
-Dialect = Literal["openai", "ollama", "llamacpp", "none"]
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class RequestInfo:
     temperature: float | None = None
     n: int | None = None
     stop_requested: bool = False
+    reasoning_budget: int | None = None  # Anthropic's thinking.budget_tokens
     body_parsed: bool = False
     body_note: str | None = None
 
@@ -62,7 +65,7 @@ class ResponseRecord:
     method: str
     path: str
     route: str
-    dialect: Dialect
+    dialect: str  # a name from proxy.dialects.NAMES, or "none" for a route that is not a generation
     started_at: float  # unix time
     model: str | None = None
     stream: bool | None = None
@@ -71,6 +74,9 @@ class ResponseRecord:
     output_tokens: int | None = None
     tokens_source: Literal["usage", "counted", "none"] = "none"
     prompt_tokens: int | None = None
+    reasoning_tokens: int | None = None  # of output_tokens, spent thinking (the server's count, else counted)
+    visible_tokens: int | None = None  # output_tokens minus reasoning_tokens: the answer the user sees
+    reasoning_share: float | None = None  # reasoning_tokens over the requested budget (else over the output)
     stop_reason: StopReason = "unknown"
     stop_reason_certain: bool = True  # False: the server's "stop" covers EOS and a stop string alike
     finish_reason_raw: str | None = None
@@ -120,6 +126,11 @@ class ResponseRecord:
     def truncated(self) -> bool:
         """True when the answer did not end on its own (see COMPLETE_STOP_REASONS)."""
         return self.stop_reason not in COMPLETE_STOP_REASONS and self.stop_reason != "not_inference"
+
+    @property
+    def budget_mostly_reasoning(self) -> bool:
+        """A length stop whose budget went mostly to thinking: the visible answer got what was left."""
+        return self.stop_reason == "length" and (self.reasoning_share or 0.0) >= REASONING_HEAVY_SHARE
 
     @property
     def truncation_cause(self) -> str | None:

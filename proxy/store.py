@@ -17,9 +17,6 @@ class RecordStore:
         self._by_id: dict[str, ResponseRecord] = {}
         self.total = 0  # records ever stored, the evicted ones included
 
-    def on_response_start(self, record: ResponseRecord) -> None:
-        pass
-
     def on_response(self, record: ResponseRecord) -> None:
         if len(self._ring) >= self.capacity:
             old = self._ring.popleft()

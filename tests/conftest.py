@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from proxy.app import RunningProxy, start_proxy
-from proxy.config import HostPort, ProxyConfig
-from proxy.record import ResponseRecord
-from tests.scripted_upstream import ScriptedUpstream
-
-LOOPBACK_ANY = HostPort("127.0.0.1", 0)
-
-
-def proxy_config(upstream: str, **overrides: Any) -> ProxyConfig:
-    """A proxy config on ephemeral loopback ports, telemetry off, quiet logs."""
-    base = ProxyConfig(upstream=upstream, listen=LOOPBACK_ANY, admin_listen=LOOPBACK_ANY,
-                       gpu_poll_interval_s=0, upstream_metrics="off", log_records=False)
-    return replace(base, **overrides)
+from tests.support.proxies import ProxyFactory, proxy_config
+from tests.support.scripted_upstream import ScriptedUpstream
 
 
 @pytest.fixture
@@ -31,9 +19,6 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
     await server.start()
     yield server
     await server.close()
-
-
-ProxyFactory = Callable[..., Awaitable[RunningProxy]]
 
 
 @pytest.fixture
@@ -59,13 +44,3 @@ async def proxy(upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> Running
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
-
-
-async def record_for(proxy: RunningProxy, request_id: str) -> ResponseRecord:
-    """The proxy's record of a request, once it is stored (it lands just after the last byte)."""
-    for _ in range(500):
-        record = proxy.store.get(request_id)
-        if record is not None:
-            return record
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no record for {request_id}")

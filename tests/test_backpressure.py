@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from proxy.app import RunningProxy
-from tests.conftest import ProxyFactory
+from tests.support.proxies import ProxyFactory
 from tests.load.resources import rss_bytes, settle_memory
 
 MIB = 1 << 20

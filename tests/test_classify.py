@@ -6,33 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.classify import WireFacts, classify, finish_stop_reason, is_oom, length_cause
+from proxy.classify import WireFacts, classify, is_oom, length_cause
 from proxy.concurrency import InFlightTracker
 from proxy.events import ErrorEvent, Finish
 from proxy.metrics import concurrency_bucket
 
-BASE = WireFacts(dialect="openai", inference=True, status=200, finish=Finish("stop"), done=True)
-
-
-@pytest.mark.parametrize(("dialect", "raw", "detail", "expected"), [
-    ("openai", "stop", None, "eos"),
-    ("openai", "stop", "###", "stop_sequence"),
-    ("openai", "stop", "128009", "stop_sequence"),
-    ("openai", "length", None, "length"),
-    ("openai", "tool_calls", None, "tool_calls"),
-    ("openai", "function_call", None, "tool_calls"),
-    ("openai", "content_filter", None, "content_filter"),
-    ("openai", "weird", None, "unknown"),
-    ("ollama", "stop", None, "eos"),
-    ("ollama", "length", None, "length"),
-    ("ollama", "load", None, "not_inference"),
-    ("ollama", "unload", None, "not_inference"),
-    ("llamacpp", "eos", None, "eos"),
-    ("llamacpp", "word", "</s>", "stop_sequence"),
-    ("llamacpp", "limit", None, "length"),
-])
-def test_finish_values_map_to_stop_reasons(dialect: str, raw: str, detail: str | None, expected: str) -> None:
-    assert finish_stop_reason(dialect, Finish(raw, 0, detail)) == expected
+BASE = WireFacts(inference=True, status=200, finish=Finish("stop", "eos"), done=True)
 
 
 def test_length_stop_below_requested_budget_is_server_limit() -> None:
@@ -79,6 +58,8 @@ PRECEDENCE = [
     (dict(client_disconnected=True, status=429), "client_disconnect"),
     (dict(status=429), "rejected"),
     (dict(status=503), "rejected"),
+    (dict(status=529), "rejected"),
+    (dict(error=ErrorEvent("busy", "overloaded_error", overloaded=True)), "rejected"),
     (dict(status=500), "upstream_error"),
     (dict(inference=False, error=ErrorEvent("x")), "not_inference"),
     (dict(error=ErrorEvent("boom"), upstream_reset=True), "upstream_error"),
@@ -99,7 +80,15 @@ def test_upstream_error_kinds() -> None:
     assert classify(replace(BASE, status=500)).upstream_error == "http_status"
     assert classify(replace(BASE, error=ErrorEvent("dead"))).upstream_error == "error_event"
     assert classify(replace(BASE, upstream_reset=True, finish=None)).upstream_error == "reset"
-    assert classify(replace(BASE, finish=Finish("abort"))).upstream_error == "abort"
+    assert classify(replace(BASE, finish=Finish("abort", "upstream_error", upstream_error="abort"))
+                    ).upstream_error == "abort"
+
+
+def test_a_context_limit_finish_is_a_server_limit_whatever_the_count() -> None:
+    """Anthropic's model_context_window_exceeded: the server says the context ended it."""
+    finish = Finish("model_context_window_exceeded", "length", context_limit=True)
+    diagnosis = classify(replace(BASE, finish=finish, output_tokens=64, requested_max_tokens=64))
+    assert (diagnosis.stop_reason, diagnosis.length_cause) == ("length", "server_limit")
 
 
 @pytest.mark.parametrize(("value", "bucket"), [
@@ -134,11 +123,11 @@ def test_peak_counts_requests_admitted_later() -> None:
 
 
 def test_plain_stop_with_stop_strings_requested_is_eos_but_not_certain() -> None:
-    facts = replace(BASE, finish=Finish("stop", distinguishes_stop=False), stop_requested=True)
+    facts = replace(BASE, finish=Finish("stop", "eos", distinguishes_stop=False), stop_requested=True)
     verdict = classify(facts)
     assert verdict.stop_reason == "eos" and not verdict.certain
 
 
 def test_vllm_null_stop_reason_proves_eos_even_with_stop_strings() -> None:
-    verdict = classify(replace(BASE, finish=Finish("stop", distinguishes_stop=True), stop_requested=True))
+    verdict = classify(replace(BASE, finish=Finish("stop", "eos", distinguishes_stop=True), stop_requested=True))
     assert verdict.stop_reason == "eos" and verdict.certain

@@ -23,8 +23,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from proxy.metrics import ProxyMetrics
-from tests.conftest import ProxyFactory
-from tests.scripted_upstream import ScriptedUpstream
+from tests.support.proxies import ProxyFactory
+from tests.support.scripted_upstream import ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

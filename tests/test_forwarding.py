@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 
 from proxy.app import RunningProxy
-from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.wire import (
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import (
     JSON_HEADERS,
     NDJSON_HEADERS,
     SSE_HEADERS,
@@ -94,7 +94,7 @@ async def test_ollama_ndjson_passes_and_is_read(upstream: ScriptedUpstream, prox
     assert record is not None
     assert record.dialect == "ollama" and record.stream is True  # Ollama streams by default
     assert record.stop_reason == "eos" and record.output_tokens == 6 and record.prompt_tokens == 26
-    assert record.queue_time_s is not None and record.queue_time_source == "ollama_durations"
+    assert record.queue_time_s is not None and record.queue_time_source == "server_durations"
 
 
 async def test_upstream_down_gives_json_502_and_a_record(make_proxy: object, client: aiohttp.ClientSession) -> None:

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.classify import WireFacts, classify
+from proxy.dialects import dialect_named
 from proxy.events import Event, ParseError
 from proxy.lines import LineSplitter
-from proxy.observation import StreamObservation
 from proxy.parsers import ResponseParser, parser_for
+from proxy.recorder import ParseLimits, Recorder
 from proxy.sse import SseDecoder
-from tests.chunking import split_at
-from tests.wire import ollama_stream, openai_stream
+from tests.support.chunking import split_at
+from tests.support.wire import ollama_stream, openai_stream
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,7 +43,7 @@ PLAIN_KINDS = [k for k, v in KINDS.items() if not v[2]]
 
 def make_parser(kind: str, max_line: int = 256, body_cap: int = 4096) -> ResponseParser:
     dialect, media, encoding = KINDS[kind]
-    return parser_for(dialect, media, encoding, max_line=max_line, body_cap=body_cap)
+    return parser_for(dialect_named(dialect), media, encoding, max_line=max_line, body_cap=body_cap)
 
 
 def seen(events: list[Event]) -> tuple[list[Event], bool]:
@@ -62,16 +62,15 @@ def events_of(parser: ResponseParser, chunks: list[bytes]) -> list[Event]:
 
 def stop_reason_of(kind: str, chunks: list[bytes]) -> tuple[str, int, int | None]:
     """(stop reason, tokens counted, usage tokens) as the forwarding path would find them."""
-    dialect = KINDS[kind][0]
-    observation = StreamObservation(make_parser(kind, max_line=1 << 16, body_cap=1 << 20))
+    dialect, media, encoding = KINDS[kind]
+    recorder = Recorder.start("fuzz", "POST", dialect_named(dialect).routes[0],
+                              limits=ParseLimits(1 << 16, 1 << 20), started=0.0)
+    recorder.response_head(200, media, encoding)
     for index, chunk in enumerate(chunks):
-        observation.feed(chunk, float(index))
-    observation.close(float(len(chunks)))
-    verdict = classify(WireFacts(dialect=dialect, inference=True, status=200, finish=observation.finish,
-                                 error=observation.error, done=observation.done,
-                                 parse_failed=observation.parse_errors > 0, output_tokens=observation.tokens))
-    usage = observation.usage.completion_tokens if observation.usage else None
-    return verdict.stop_reason, observation.tokens, usage
+        recorder.chunk(chunk, float(index))
+    record = recorder.finish(float(len(chunks)))
+    usage = record.output_tokens if record.tokens_source == "usage" else None
+    return record.stop_reason, recorder.tally.tokens, usage
 
 
 # --- inputs ------------------------------------------------------------------------------------

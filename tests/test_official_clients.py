@@ -7,9 +7,9 @@ import openai
 import pytest
 
 from proxy.app import RunningProxy
-from tests.conftest import record_for
-from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.wire import JSON_HEADERS, NDJSON_HEADERS, ollama_stream, openai_completion, openai_stream
+from tests.support.proxies import record_for
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import JSON_HEADERS, NDJSON_HEADERS, ollama_stream, openai_completion, openai_stream
 
 
 async def test_openai_client_streaming(upstream: ScriptedUpstream, proxy: RunningProxy) -> None:

@@ -6,17 +6,18 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import ollama_events, openai_events, parse_request
+from proxy.dialects import dialect_named, llamacpp, ollama, openai
+from proxy.recorder import read_request
 from proxy.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.lines import LineSplitter
 from proxy.parsers import parser_for
 from proxy.sse import SseDecoder
-from tests.chunking import split_at
-from tests.wire import ollama_stream, openai_completion, openai_stream, sse
+from tests.support.chunking import split_at
+from tests.support.wire import ollama_stream, openai_completion, openai_stream, sse
 
 
 def feed_all(parser_kind: tuple[str, str], chunks: list[bytes]) -> list[Event]:
-    parser = parser_for(parser_kind[0], parser_kind[1], "", max_line=1 << 20, body_cap=1 << 20)
+    parser = parser_for(dialect_named(parser_kind[0]), parser_kind[1], "", max_line=1 << 20, body_cap=1 << 20)
     events: list[Event] = []
     for chunk in chunks:
         events.extend(parser.feed(chunk))
@@ -59,68 +60,68 @@ def test_sse_event_still_open_at_end_is_discarded() -> None:
 def test_openai_chunk_events() -> None:
     chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length", "stop_reason": None}],
              "usage": {"prompt_tokens": 3, "completion_tokens": 9}}
-    assert openai_events(chunk) == [TokenDelta(1), Finish("length", 0, None), Usage(3, 9)]
+    assert openai.events(chunk) == [TokenDelta(1), Finish("length", "length", 0, None), Usage(3, 9)]
 
 
 def test_openai_legacy_completion_text_counts_as_token() -> None:
-    assert openai_events({"choices": [{"index": 0, "text": "x", "finish_reason": None}]}) == [TokenDelta(1)]
+    assert openai.events({"choices": [{"index": 0, "text": "x", "finish_reason": None}]}) == [TokenDelta(1)]
 
 
 def test_vllm_error_object_of_either_generation() -> None:
-    assert openai_events({"error": {"message": "boom", "type": "BadRequestError"}}) == [
+    assert openai.events({"error": {"message": "boom", "type": "BadRequestError"}}) == [
         ErrorEvent("boom", "BadRequestError")]
-    assert openai_events({"object": "error", "message": "boom", "type": "x", "code": 400}) == [ErrorEvent("boom", "x")]
+    assert openai.events({"object": "error", "message": "boom", "type": "x", "code": 400}) == [ErrorEvent("boom", "x")]
 
 
 def test_llamacpp_native_final_object() -> None:
     obj = {"content": "", "stop": True, "stop_type": "limit", "stopping_word": "", "truncated": True,
            "tokens_predicted": 12, "tokens_evaluated": 40, "timings": {"prompt_ms": 10.0, "predicted_ms": 200.0}}
-    events = openai_events(obj)
-    assert Finish("limit", 0, None, True) in events
+    events = llamacpp.events(obj)
+    assert Finish("limit", "length", 0, None, True) in events
     assert Usage(40, 12) in events
     assert ServerTimings(prompt_eval_s=0.01, eval_s=0.2) in events
 
 
 def test_ollama_done_line_events() -> None:
     final = orjson.loads(ollama_stream(0, "length")[-1])
-    events = ollama_events(final)
-    assert events[:2] == [Finish("length", distinguishes_stop=False), Usage(26, 0)]
+    events = ollama.events(final)
+    assert events[:2] == [Finish("length", "length", distinguishes_stop=False), Usage(26, 0)]
     assert isinstance(events[2], ServerTimings) and events[2].total_s == 1.5
 
 
 def test_ollama_error_line() -> None:
-    assert ollama_events({"error": "model requires more system memory"}) == [
+    assert ollama.events({"error": "model requires more system memory"}) == [
         ErrorEvent("model requires more system memory")]
 
 
 def test_request_budget_fields_of_each_dialect() -> None:
-    openai = parse_request("openai", b'{"model":"m","max_completion_tokens":5,"max_tokens":9,"seed":1,"n":2}')
-    assert (openai.requested_max_tokens, openai.seed, openai.n, openai.stream) == (5, 1, 2, False)
-    ollama = parse_request("ollama", b'{"model":"m","options":{"num_predict":-1,"num_ctx":4096}}')
-    assert ollama.requested_max_tokens is None and ollama.num_ctx == 4096 and ollama.stream is True
-    llama = parse_request("llamacpp", b'{"prompt":"x","n_predict":16}')
+    chat = read_request(openai.DIALECT, b'{"model":"m","max_completion_tokens":5,"max_tokens":9,"seed":1,"n":2}')
+    assert (chat.requested_max_tokens, chat.seed, chat.n, chat.stream) == (5, 1, 2, False)
+    native = read_request(ollama.DIALECT, b'{"model":"m","options":{"num_predict":-1,"num_ctx":4096}}')
+    assert native.requested_max_tokens is None and native.num_ctx == 4096 and native.stream is True
+    llama = read_request(llamacpp.DIALECT, b'{"prompt":"x","n_predict":16}')
     assert llama.requested_max_tokens == 16
 
 
 def test_request_body_that_is_not_json_is_noted() -> None:
-    info = parse_request("openai", b"\x00garbage")
+    info = read_request(openai.DIALECT, b"\x00garbage")
     assert not info.body_parsed and info.body_note == "request body is not JSON"
 
 
 def test_non_streaming_json_body() -> None:
     events = feed_all(("openai", "application/json"), [openai_completion(5, "length")])
-    assert Finish("length", 0, None) in events and Usage(7, 5) in events and events[-1] == DONE
+    assert Finish("length", "length", 0, None) in events and Usage(7, 5) in events and events[-1] == DONE
 
 
 def test_json_body_over_cap_is_a_parse_error() -> None:
-    parser = parser_for("openai", "application/json", "", max_line=10, body_cap=10)
+    parser = parser_for(openai.DIALECT, "application/json", "", max_line=10, body_cap=10)
     parser.feed(b"x" * 11)
     assert isinstance(parser.close()[0], ParseError)
 
 
 def test_unsupported_encoding_and_unknown_media_are_parse_errors() -> None:
     assert isinstance(feed_all(("openai", "text/html"), [b"<html>"])[0], ParseError)
-    parser = parser_for("openai", "text/event-stream", "br", max_line=10, body_cap=10)
+    parser = parser_for(openai.DIALECT, "text/event-stream", "br", max_line=10, body_cap=10)
     assert isinstance(parser.close()[0], ParseError)
 
 
@@ -144,5 +145,5 @@ def test_events_do_not_depend_on_chunk_boundaries(stream: tuple[tuple[str, str],
 @given(st.binary(max_size=2000), st.lists(st.integers(min_value=0, max_value=2000), max_size=10),
        st.sampled_from(["text/event-stream", "application/x-ndjson", "application/json"]))
 def test_parsers_never_raise_on_arbitrary_bytes(data: bytes, cuts: list[int], media: str) -> None:
-    for dialect in ("openai", "ollama"):
+    for dialect in ("openai", "ollama", "llamacpp", "anthropic", "responses"):
         feed_all((dialect, media), split_at(data, cuts))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from proxy.sweep.report import CHART_TITLES
-from tests.report_fixture import capped_report
+from tests.support.report_fixture import capped_report
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome")
                  if (path := shutil.which(name))), None)

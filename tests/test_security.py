@@ -17,10 +17,10 @@ import pytest
 
 from proxy.cli import build_parser, config_from_args
 from proxy.config import ProxyConfig, parse_host_port
-from tests.conftest import ProxyFactory
-from tests.faulty_upstream import FaultyUpstream
-from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.wire import SSE_HEADERS, chat_chunk, sse
+from tests.support.proxies import ProxyFactory
+from tests.support.faulty_upstream import FaultyUpstream
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import SSE_HEADERS, chat_chunk, sse
 
 pytestmark = pytest.mark.timeout(120)
 

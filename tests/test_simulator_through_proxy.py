@@ -15,7 +15,7 @@ import pytest
 from proxy.app import RunningProxy, start_proxy
 from proxy.simulator import RunningSimulator, SimulatorConfig, start_simulator
 from proxy.simulator.config import SCENARIOS
-from tests.conftest import proxy_config
+from tests.support.proxies import proxy_config
 
 QUICK = {"token_time_s": 0.001, "prefill_time_per_token_s": 0.0}
 MAX_TOKENS = 128

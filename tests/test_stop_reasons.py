@@ -9,9 +9,9 @@ import orjson
 import pytest
 
 from proxy.app import RunningProxy
-from tests.conftest import ProxyFactory, record_for
-from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.wire import (
+from tests.support.proxies import ProxyFactory, record_for
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import (
     DONE,
     JSON_HEADERS,
     NDJSON_HEADERS,

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.config import ConfigError
 from proxy.sweep.cli import parse_levels
-from tests.sweep_upstream import LoadUpstream, running_load
+from tests.support.sweep_upstream import LoadUpstream, running_load
 
 
 @pytest.fixture

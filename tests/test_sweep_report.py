@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from proxy.sweep.report import CHART_TITLES
-from tests.report_fixture import capped_report
+from tests.support.report_fixture import capped_report
 
 
 def test_the_page_loads_nothing_from_the_network() -> None:

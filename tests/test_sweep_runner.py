@@ -11,10 +11,10 @@ import pytest
 
 from proxy.app import RunningProxy
 from proxy.sweep.runner import SweepError, SweepPlan, request_body, run_level, run_sweep
-from tests.conftest import ProxyFactory
-from tests.scripted_upstream import Script, ScriptedUpstream
-from tests.sweep_upstream import LoadUpstream, running_load
-from tests.wire import openai_stream
+from tests.support.proxies import ProxyFactory
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.sweep_upstream import LoadUpstream, running_load
+from tests.support.wire import openai_stream
 
 
 @pytest.fixture

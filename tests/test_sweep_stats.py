@@ -16,7 +16,7 @@ from proxy.sweep.stats import (
     summarize,
     summarize_level,
 )
-from tests.sweep_samples import level, sample
+from tests.support.sweep_samples import level, sample
 
 
 @pytest.mark.parametrize(("values", "q", "expected"), [

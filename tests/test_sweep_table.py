@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from proxy.sweep.stats import summarize, summarize_level
 from proxy.sweep.table import COLUMNS, ESTIMATE_NOTE, gib, render, row, seconds, stop_mix
-from tests.sweep_samples import level, sample
+from tests.support.sweep_samples import level, sample
 
 
 def test_seconds_are_milliseconds_below_one_second() -> None:

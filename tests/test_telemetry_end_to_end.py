@@ -15,7 +15,7 @@ from proxy.app import RunningProxy, start_proxy
 from proxy.record import ResponseRecord
 from proxy.simulator.config import SCENARIOS
 from proxy.simulator.server import RunningSimulator, start_simulator
-from tests.conftest import proxy_config
+from tests.support.proxies import proxy_config
 
 INTERVAL = 0.05  # fast polls, so that even 0.2 s answers have samples inside them
 

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import ProxyFactory, record_for
+from tests.support.proxies import ProxyFactory, record_for
 
 ANSWER = orjson.dumps({"id": "cmpl-1", "object": "chat.completion", "model": "m", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})

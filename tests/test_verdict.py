@@ -5,7 +5,7 @@ from __future__ import annotations
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import by_level, summarize
 from proxy.sweep.verdict import Verdict, decide
-from tests.sweep_samples import level, sample
+from tests.support.sweep_samples import level, sample
 
 
 def verdict(samples: list[Sample], client_timeout_s: float | None = None) -> Verdict:

@@ -43,7 +43,7 @@ class SequenceSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Finish:
+class SequenceFinish:
     """How a sequence ended: what the wire says (`reason`, vLLM's `stop_reason`) and the truth."""
 
     reason: WireReason
@@ -68,7 +68,7 @@ class Output:
     seq_id: int
     text: str
     token: bool  # False when the sequence ended without producing a token (deadline)
-    finish: Finish | None = None
+    finish: SequenceFinish | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +331,7 @@ class EngineCore:
             return Output(seq.seq_id, text, True, self._finish(seq, "length", seq.limit_cause, None))
         return Output(seq.seq_id, text, True)
 
-    def _finish(self, seq: _Sequence, reason: WireReason, cause: FinishCause, stop: str | None) -> Finish:
+    def _finish(self, seq: _Sequence, reason: WireReason, cause: FinishCause, stop: str | None) -> SequenceFinish:
         if seq in self._running:
             self._running.remove(seq)
         else:
@@ -341,7 +341,7 @@ class EngineCore:
         c.prompt_tokens += seq.spec.prompt_tokens
         c.finished_by_reason[reason] = c.finished_by_reason.get(reason, 0) + 1
         c.finished_by_cause[cause] = c.finished_by_cause.get(cause, 0) + 1
-        return Finish(reason, cause, stop, seq.spec.prompt_tokens, seq.generated, seq.preemptions)
+        return SequenceFinish(reason, cause, stop, seq.spec.prompt_tokens, seq.generated, seq.preemptions)
 
     def _hold(self, seq: _Sequence, blocks: int) -> None:
         seq.blocks += blocks

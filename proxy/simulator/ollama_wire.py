@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-from proxy.simulator.engine import Finish
+from proxy.simulator.engine import SequenceFinish
 from proxy.simulator.generation import (
     GenerationRequest,
     WireError,
@@ -118,12 +118,12 @@ class OllamaStream:
     def begin(self) -> bytes:
         return b""
 
-    def chunk(self, text: str, finish: Finish | None) -> bytes:
+    def chunk(self, text: str, finish: SequenceFinish | None) -> bytes:
         """A token's line; the end comes as its own line (see `end`)."""
         del finish
         return self._line({**self._head(text), "done": False}) if text else b""
 
-    def _final(self, text: str, finish: Finish, timings: dict[str, int]) -> dict[str, Any]:
+    def _final(self, text: str, finish: SequenceFinish, timings: dict[str, int]) -> dict[str, Any]:
         final = self._head(text)
         final["done_reason"] = finish.reason
         final["done"] = True
@@ -132,14 +132,14 @@ class OllamaStream:
         final["eval_count"] = finish.completion_tokens
         return {key: final[key] for key in _FINAL_ORDER if key in final}
 
-    def end(self, finish: Finish, timings: dict[str, int]) -> bytes:
+    def end(self, finish: SequenceFinish, timings: dict[str, int]) -> bytes:
         return self._line(self._final("", finish, timings))
 
     def error(self, message: str, status: int = 500) -> bytes:
         del status
         return self._line({"error": message})
 
-    def body(self, text: str, finish: Finish, timings: dict[str, int]) -> dict[str, Any]:
+    def body(self, text: str, finish: SequenceFinish, timings: dict[str, int]) -> dict[str, Any]:
         return self._final(text, finish, timings)
 
     @staticmethod

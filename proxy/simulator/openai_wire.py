@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from proxy.simulator.engine import Finish
+from proxy.simulator.engine import SequenceFinish
 from proxy.simulator.generation import (
     GenerationRequest,
     WireError,
@@ -91,7 +91,7 @@ def new_request_id(kind: Kind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def _usage(finish: Finish) -> dict[str, int]:
+def _usage(finish: SequenceFinish) -> dict[str, int]:
     return {"prompt_tokens": finish.prompt_tokens,
             "total_tokens": finish.prompt_tokens + finish.completion_tokens,
             "completion_tokens": finish.completion_tokens}
@@ -120,7 +120,7 @@ class OpenAIStream:
         """Nothing is sent before the first engine output (vLLM sends the role with it)."""
         return b""
 
-    def chunk(self, text: str, finish: Finish | None) -> bytes:
+    def chunk(self, text: str, finish: SequenceFinish | None) -> bytes:
         out = b""
         if self.kind == "chat":
             if not self._started:
@@ -136,7 +136,7 @@ class OpenAIStream:
             choice["stop_reason"] = finish.stop_reason
         return out + self._event([choice])
 
-    def end(self, finish: Finish, timings: dict[str, int]) -> bytes:
+    def end(self, finish: SequenceFinish, timings: dict[str, int]) -> bytes:
         del timings  # vLLM reports no durations in the stream
         usage = self._event([], usage=_usage(finish)) if self.include_usage else b""
         return usage + DONE_LINE
@@ -145,7 +145,7 @@ class OpenAIStream:
         """A mid-stream error the way vLLM sends one: an error event, then [DONE]."""
         return b"data: " + orjson.dumps(error_body(status, message)) + b"\n\n" + DONE_LINE
 
-    def body(self, text: str, finish: Finish, timings: dict[str, int]) -> dict[str, Any]:
+    def body(self, text: str, finish: SequenceFinish, timings: dict[str, int]) -> dict[str, Any]:
         """The non-streaming response."""
         del timings
         if self.kind == "chat":

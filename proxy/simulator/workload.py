@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.simulator.config import SimulatorConfig
-from proxy.simulator.engine import EngineCore, Finish, Output, Rejected, SequenceSpec
+from proxy.simulator.engine import EngineCore, Output, Rejected, SequenceFinish, SequenceSpec
 from proxy.simulator.sampling import AnswerSampler
 
 IDLE_TICK_S = 0.001
@@ -16,7 +16,7 @@ IDLE_TICK_S = 0.001
 class Outcome:
     """One request's fate in a virtual run: its finish (None if rejected) and its latency."""
 
-    finish: Finish | None
+    finish: SequenceFinish | None
     rejected: Rejected | None
     latency_s: float
 

@@ -9,13 +9,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from proxy.cli import CliError, flag_type
 from proxy.config import ConfigError, parse_positive_int, parse_seconds, parse_upstream_url
 from proxy.sweep import export, table
 from proxy.sweep.progress import ProgressBar
-from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
+from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepError, SweepPlan, run_sweep
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import Verdict, decide
@@ -94,8 +94,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
                         help="bearer token of the admin API (env LLM_DIAG_ADMIN_TOKEN)")
     parser.add_argument("--model", required=True, help="the model name sent in every request")
-    parser.add_argument("--dialect", choices=("openai", "ollama"), default="openai",
-                        help="openai: /v1/chat/completions (SSE); ollama: /api/chat (NDJSON)")
+    parser.add_argument("--dialect", choices=SWEEP_DIALECTS, default="openai",
+                        help="openai: /v1/chat/completions (SSE); ollama: /api/chat (NDJSON); "
+                             "anthropic: /v1/messages; responses: /v1/responses (default openai)")
     parser.add_argument("--warmup", type=flag_type(parse_non_negative_int), default=1,
                         help="unrecorded requests sent first, so a model load is not measured (default 1)")
     add_sweep_arguments(parser)
@@ -114,7 +115,7 @@ def plan_from_args(args: argparse.Namespace, target: str, admin: str | None, mod
     return SweepPlan(target=target, admin=admin, admin_token=getattr(args, "admin_token", None),
                      levels=args.levels, repeats=args.repeats, prompt=args.prompt, max_tokens=args.max_tokens,
                      seed=args.seed, temperature=args.temperature, model=model,
-                     dialect="ollama" if dialect == "ollama" else "openai",
+                     dialect=cast(SweepDialect, dialect if dialect in SWEEP_DIALECTS else "openai"),
                      timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1))
 
 

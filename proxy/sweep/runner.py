@@ -20,16 +20,14 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from proxy.classify import WireFacts, classify
-from proxy.observation import StreamObservation
-from proxy.parsers import parser_for
-from proxy.record import ResponseRecord, UpstreamErrorKind
+from proxy.record import ResponseRecord
+from proxy.recorder import Recorder
 from proxy.sweep.sample import ClientMeasure, Sample
 
-SweepDialect = Literal["openai", "ollama"]
-PATHS: dict[str, str] = {"openai": "/v1/chat/completions", "ollama": "/api/chat"}
-MAX_LINE_BYTES = 4 * 1024 * 1024
-BODY_CAP_BYTES = 32 * 1024 * 1024
+SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
+SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]
+PATHS: dict[str, str] = {"openai": "/v1/chat/completions", "ollama": "/api/chat", "anthropic": "/v1/messages",
+                         "responses": "/v1/responses"}
 PROBE_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
 JOIN_RETRY_S = 0.05
@@ -73,13 +71,19 @@ class SweepPlan:
 
 
 def request_body(plan: SweepPlan) -> bytes:
-    """The one request body every response of the sweep answers."""
+    """The one request body every response of the sweep answers, in the plan's dialect."""
     messages = [{"role": "user", "content": plan.prompt}]
     body: dict[str, Any]
     if plan.dialect == "ollama":
         body = {"model": plan.model, "messages": messages, "stream": True,
                 "options": {"num_predict": plan.max_tokens, "seed": plan.seed,
                             "temperature": plan.temperature}}
+    elif plan.dialect == "anthropic":  # the Messages API has no seed
+        body = {"model": plan.model, "messages": messages, "max_tokens": plan.max_tokens,
+                "temperature": plan.temperature, "stream": True}
+    elif plan.dialect == "responses":
+        body = {"model": plan.model, "input": plan.prompt, "max_output_tokens": plan.max_tokens,
+                "temperature": plan.temperature, "stream": True}
     else:
         body = {"model": plan.model, "messages": messages, "max_tokens": plan.max_tokens,
                 "seed": plan.seed, "temperature": plan.temperature, "stream": True,
@@ -87,83 +91,44 @@ def request_body(plan: SweepPlan) -> bytes:
     return orjson.dumps(body)
 
 
-def client_record(plan: SweepPlan, request_id: str, started_at: float, status: int | None,
-                  observation: StreamObservation | None, duration_s: float, in_flight: int, *,
-                  client_gone: bool = False, connect_error: UpstreamErrorKind | None = None,
-                  reset: bool = False, detail: str | None = None) -> ResponseRecord:
-    """The record the client can build on its own, classified by the proxy's own rules."""
-    obs = observation
-    usage_tokens = obs.usage.completion_tokens if obs is not None and obs.usage is not None else None
-    tokens = usage_tokens if usage_tokens is not None else (obs.tokens if obs is not None else None)
-    facts = WireFacts(
-        dialect=plan.dialect, inference=True, status=status, connect_error=connect_error,
-        error_detail=detail, upstream_reset=reset, client_disconnected=client_gone,
-        finish=obs.finish if obs else None, error=obs.error if obs else None,
-        done=obs.done if obs else False, parse_failed=bool(obs and obs.parse_errors),
-        output_tokens=tokens, tokens_exact=usage_tokens is not None, requested_max_tokens=plan.max_tokens)
-    verdict = classify(facts)
-    itl_mean, itl_p95, itl_max = obs.itl_stats() if obs is not None else (None, None, None)
-    first = obs.first_token_at if obs is not None else None
-    return ResponseRecord(
-        request_id=request_id, method="POST", path=plan.path, route=plan.path, dialect=plan.dialect,
-        started_at=started_at, model=plan.model, stream=True, status=status,
-        requested_max_tokens=plan.max_tokens, output_tokens=tokens,
-        tokens_source="usage" if usage_tokens is not None else ("counted" if obs is not None else "none"),
-        prompt_tokens=obs.usage.prompt_tokens if obs is not None and obs.usage is not None else None,
-        stop_reason=verdict.stop_reason,
-        finish_reason_raw=obs.finish.reason if obs is not None and obs.finish is not None else None,
-        length_cause=verdict.length_cause, concurrency_at_start=in_flight, concurrency_peak=in_flight,
-        concurrency_mean=float(in_flight), ttft_s=first, itl_mean_s=itl_mean, itl_p95_s=itl_p95,
-        itl_max_s=itl_max, duration_s=duration_s, client_disconnected=client_gone,
-        disconnect_phase=(("mid_stream" if first is not None else "before_first_token")
-                          if client_gone else None),
-        upstream_error=verdict.upstream_error, upstream_error_detail=verdict.upstream_error_detail,
-        parse_error=bool(obs and obs.parse_errors), parse_error_detail=obs.parse_error if obs else None,
-        bytes_out=obs.bytes_out if obs is not None else 0, seed=plan.seed, temperature=plan.temperature)
-
-
 async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, request_id: str,
                    level: int, index: int, in_flight: int) -> Sample:
-    """Send one streaming request and measure it from the client's side; never raises."""
-    started_at = time.time()
+    """Send one streaming request and read it from the client's side, with the proxy's own
+    Recorder, so that its record is classified exactly as the proxy would; never raises."""
+    recorder = Recorder.start(request_id, "POST", plan.path)
+    recorder.request_body(body)
+    recorder.concurrency(in_flight, in_flight, float(in_flight))
     t0 = time.monotonic()
     status: int | None = None
-    observation: StreamObservation | None = None
     error: str | None = None
-    flags: dict[str, Any] = {}
     try:
         async with asyncio.timeout(plan.timeout_s or None):
             async with session.post(plan.target + plan.path, data=body, headers={
                     "Content-Type": "application/json", "X-Request-Id": request_id}) as response:
                 status = response.status
                 # aiohttp has already undone any Content-Encoding, so the parser sees plain bytes.
-                observation = StreamObservation(parser_for(
-                    plan.dialect, response.headers.get("Content-Type", ""), "",
-                    max_line=MAX_LINE_BYTES, body_cap=BODY_CAP_BYTES))
+                recorder.response_head(status, response.headers.get("Content-Type", ""))
                 async for chunk in response.content.iter_any():
-                    observation.feed(chunk, time.monotonic() - t0)
-                observation.close(time.monotonic() - t0)
+                    recorder.chunk(chunk, time.monotonic())
     except aiohttp.ServerTimeoutError as exc:  # aiohttp's own connect timeout, not the sweep's --timeout
         error = f"cannot connect: {exc}"[:300]
-        flags["connect_error"] = "timeout"
+        recorder.no_answer("timeout", error)
     except TimeoutError:
         error = f"no complete response within --timeout {plan.timeout_s:g}s; the client gave up"
-        flags["client_gone"] = True
+        recorder.client_left(error)
     except aiohttp.ClientConnectorError as exc:
         error = f"cannot connect: {exc}"
-        flags["connect_error"] = "connect"
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        recorder.no_answer("connect", error)
+    except aiohttp.ClientError as exc:  # a payload error, a disconnect, an OS error mid-body
         error = f"connection broke: {type(exc).__name__}: {exc}"[:300]
-        flags["reset"] = True
-    except aiohttp.ClientError as exc:
-        error = f"{type(exc).__name__}: {exc}"[:300]
-        flags["reset"] = True
-    duration = time.monotonic() - t0
-    record = client_record(plan, request_id, started_at, status, observation, duration, in_flight,
-                           detail=error, **flags)
+        if status is None:
+            recorder.no_answer("reset", error)
+        else:
+            recorder.upstream_broke(error)
+    record = recorder.finish(time.monotonic())
     measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
-                            itl_p95_s=record.itl_p95_s, chunks=observation.tokens if observation else 0,
-                            duration_s=duration, in_flight_at_start=in_flight, error=error)
+                            itl_p95_s=record.itl_p95_s, chunks=recorder.tally.tokens,
+                            duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error)
     return Sample(level, index, request_id, record, "client", measure)
 
 

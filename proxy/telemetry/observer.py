@@ -47,9 +47,6 @@ class TelemetryObserver:
         self.upstream_max_age = max_age_for(upstream_interval_s)
         self.upstream_pids = upstream_pids
 
-    def on_response_start(self, record: ResponseRecord) -> None:
-        """Nothing to note: the window is read from the record's own start and duration."""
-
     def on_response(self, record: ResponseRecord) -> None:
         t0 = record.started_at
         t1 = t0 + max(record.duration_s, 0.0)

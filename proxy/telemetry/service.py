@@ -11,7 +11,6 @@ import structlog
 
 from proxy.config import ProxyConfig
 from proxy.metrics import ProxyMetrics
-from proxy.observers import Observer
 from proxy.telemetry.gpu import GpuPoller, GpuSnapshot, NvmlReader
 from proxy.telemetry.observer import TelemetryObserver
 from proxy.telemetry.pids import local_port, upstream_pids
@@ -57,7 +56,7 @@ class Telemetry:
             upstream_pids=lambda: self._upstream_pids)
 
     @property
-    def observer(self) -> Observer:
+    def observer(self) -> TelemetryObserver:
         """The enricher to put before the exporters in the proxy's ObserverChain."""
         return self._observer
 

@@ -44,7 +44,7 @@ class MetricNames:
 # prometheus_client exposes both as the sample `vllm:num_preemptions_total`.
 # SGLang: python/sglang/srt/metrics/collector.py. llama.cpp: tools/server (`--metrics`);
 # recent builds dropped `kv_cache_usage_ratio`, so it may be absent.
-DIALECTS: dict[str, MetricNames] = {
+SERVER_FAMILIES: dict[str, MetricNames] = {
     "vllm": MetricNames(
         running=("vllm:num_requests_running",),
         waiting=("vllm:num_requests_waiting",),
@@ -64,7 +64,7 @@ DIALECTS: dict[str, MetricNames] = {
         preemptions=(),
     ),
 }
-_WANTED = frozenset(name for names in DIALECTS.values()
+_WANTED = frozenset(name for names in SERVER_FAMILIES.values()
                     for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions)
                     for name in group)
 
@@ -121,7 +121,7 @@ def parse_prometheus_state(text: str) -> UpstreamState | None:
         for sample in family.samples:
             if sample.name in _WANTED and not math.isnan(sample.value):
                 values.setdefault(sample.name, []).append(float(sample.value))
-    for source, names in DIALECTS.items():
+    for source, names in SERVER_FAMILIES.items():
         if not any(name in values for group in (names.running, names.waiting, names.kv_cache_usage,
                                                 names.preemptions) for name in group):
             continue

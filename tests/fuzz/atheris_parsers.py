@@ -20,6 +20,7 @@ import atheris
 with atheris.instrument_imports():
     from proxy.events import Event, ParseError
     from proxy.lines import LineSplitter
+    from proxy.dialects import dialect_named
     from proxy.parsers import ResponseParser, parser_for
 
 KINDS = (
@@ -29,6 +30,8 @@ KINDS = (
     ("llamacpp", "text/event-stream", ""),
     ("openai", "text/event-stream", "gzip"),
     ("ollama", "application/json", "deflate"),
+    ("anthropic", "text/event-stream", ""),
+    ("responses", "text/event-stream", ""),
 )
 MAX_LINE = 64
 
@@ -59,7 +62,7 @@ def test_one_input(data: bytes) -> None:
     body = data[2:]
 
     def fresh() -> ResponseParser:
-        return parser_for(dialect, media, encoding, max_line=MAX_LINE, body_cap=4096)
+        return parser_for(dialect_named(dialect), media, encoding, max_line=MAX_LINE, body_cap=4096)
 
     chunked = _events(fresh(), _chunks(body, data[1]))
     if not encoding:  # a compressed body decodes in different pieces; only "never raises" holds there

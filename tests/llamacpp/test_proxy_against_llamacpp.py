@@ -22,7 +22,7 @@ import pytest
 
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, EOS_PROMPT_TOKENS, SLOT_CTX, UNIFIED_PROMPT
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
-from tests.llamacpp.tee import ByteTee, first_http_response
+from tests.support.tee import ByteTee, first_http_response
 
 pytestmark = pytest.mark.llamacpp
 

@@ -22,8 +22,8 @@ from proxy.metrics import ProxyMetrics
 from proxy.record import ResponseRecord
 from proxy.telemetry.samples import SampleRing
 from proxy.telemetry.upstream import UpstreamPoller, UpstreamState
-from tests.conftest import record_for
-from tests.llamacpp.tee import ByteTee, first_http_response
+from tests.support.proxies import record_for
+from tests.support.tee import ByteTee, first_http_response
 from tests.vllm.conftest import EOS_AFTER
 from tests.vllm.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VllmServer
 

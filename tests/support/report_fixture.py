@@ -6,7 +6,7 @@ from proxy.sweep.report import render
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import by_level, summarize
 from proxy.sweep.verdict import decide
-from tests.sweep_samples import sample
+from tests.support.sweep_samples import sample
 
 
 def capped_samples() -> list[Sample]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.wire import ollama_stream, openai_stream
+from tests.support.wire import ollama_stream, openai_stream
 
 Answer = Callable[[int], tuple[int, str]]  # in-flight count -> (tokens, finish reason)
 

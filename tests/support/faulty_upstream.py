@@ -13,7 +13,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from tests.wire import openai_stream
+from tests.support.wire import openai_stream
 
 HEALTHY_CHUNKS = openai_stream(20)
 HEALTHY_BODY = b"".join(HEALTHY_CHUNKS)

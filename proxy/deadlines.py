@@ -1,0 +1,88 @@
+"""The total deadline and the idle timeout of one exchange: enforced as rescheduled asyncio timeouts.
+
+Armed around reads from the upstream only, so a slow client never counts as an idle upstream.
+Given what it needs when it is built; it tells what fired through `fired`, never by reaching
+into the exchange that uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Literal
+
+Kind = Literal["total", "idle"]
+
+
+class Deadlines:
+    """`guard()` around the reads; `arm(since)` before each read, `disarm()` after it."""
+
+    __slots__ = ("_offset", "_timeout", "deadline_at", "deadline_s", "enforce", "fired", "idle_s", "started")
+
+    def __init__(self, started: float, deadline_s: float, idle_s: float, enforce: bool) -> None:
+        self.started = started
+        self.deadline_s = deadline_s
+        self.idle_s = idle_s or None
+        self.enforce = enforce and bool(deadline_s or idle_s)
+        self.deadline_at = started + deadline_s if deadline_s else None
+        self.fired: Kind | None = None
+        self._timeout: asyncio.Timeout | None = None
+        self._offset = 0.0  # asyncio timeouts run on loop.time(); our stamps are time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def guard(self) -> AsyncIterator[None]:
+        if not self.enforce:
+            yield
+            return
+        self._offset = asyncio.get_running_loop().time() - time.monotonic()
+        timeout = asyncio.timeout_at(self._at(self.deadline_at))
+        self._timeout = timeout
+        try:
+            async with timeout:
+                yield
+        except TimeoutError:
+            if self.fired is None:
+                passed = self.deadline_at is not None and time.monotonic() >= self.deadline_at - 1e-3
+                self.fired = "total" if passed else "idle"
+            raise
+        finally:
+            self._timeout = None
+
+    def _at(self, when: float | None) -> float | None:
+        return None if when is None else when + self._offset
+
+    def arm(self, since: float) -> None:
+        """Before a read: the earlier of the total deadline and `since` + the idle timeout."""
+        timeout = self._timeout
+        if timeout is None:
+            return
+        when = self.deadline_at
+        if self.idle_s is not None:
+            idle_at = since + self.idle_s
+            if when is None or idle_at < when:
+                when = idle_at
+        timeout.reschedule(self._at(when))
+
+    def disarm(self) -> None:
+        """After a read: only the total deadline runs while the chunk goes to the client."""
+        timeout = self._timeout
+        if timeout is not None and self.idle_s is not None:
+            timeout.reschedule(self._at(self.deadline_at))
+
+    def passed(self, ended: float, longest_gap: float) -> Kind | None:
+        """Which limit the exchange went past without one being enforced, if any (observe mode)."""
+        if self.fired is not None:
+            return None
+        if self.deadline_s and ended - self.started > self.deadline_s:
+            return "total"
+        if self.idle_s is not None and longest_gap > self.idle_s:
+            return "idle"
+        return None
+
+    def message(self) -> str:
+        """What the visible end of an enforced cut says."""
+        if self.fired == "idle":
+            return f"no bytes from the upstream for {self.idle_s:g} s (idle timeout)"
+        return f"response exceeded the {self.deadline_s:g} s deadline"

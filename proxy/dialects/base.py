@@ -1,0 +1,88 @@
+"""What a wire dialect is: its routes, what it reads from a request, and the events in its responses.
+
+A dialect module holds one wire format whole and ends with one `Dialect` value; the registry
+(`proxy.dialects`) maps routes to them. Everything here is pure: JSON objects in, typed values out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.events import ErrorEvent, Event
+from proxy.record import RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """One wire format, as the proxy reads it.
+
+    - `routes`: the request paths it serves (a path is matched exactly, without a trailing /);
+    - `read_request`: fills what the client asked for from the request's JSON object;
+    - `events`: the events in one JSON object of its responses (a streamed event, an NDJSON
+      line, or a whole non-streaming body); it may raise ValueError/TypeError on a shape it
+      cannot read, which the parser turns into a ParseError;
+    - `plain_token`: the fast path. Given the raw bytes of one streamed event, the number of
+      tokens when it is nothing but plain generated text (no finish, usage, error, reasoning
+      or tool call), else None; None means "decode it" and is always safe.
+    - `streams_by_default`: what `stream` means when the request leaves it out.
+    """
+
+    name: str
+    routes: tuple[str, ...]
+    read_request: Callable[[dict[str, Any], RequestInfo], None]
+    events: Callable[[Any], list[Event]]
+    plain_token: Callable[[bytes], int | None] | None = None
+    streams_by_default: bool = False
+
+
+def no_fast_path(data: bytes) -> int | None:
+    del data
+    return None
+
+
+def as_int(value: Any) -> int | None:
+    """A JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def as_number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def positive_budget(value: Any) -> int | None:
+    """A budget in tokens; 0 or less (Ollama's -1 infinite, -2 fill context) means none fixed."""
+    number = as_int(value)
+    return number if number is not None and number > 0 else None
+
+
+def error_event(error: Any, *, overloaded_types: frozenset[str] = frozenset()) -> ErrorEvent:
+    """An `error` member, as an object (`message`, `type`/`code`) or a plain string."""
+    if isinstance(error, dict):
+        message = error.get("message")
+        kind = error.get("type") or error.get("code")
+        kind_text = None if kind is None else str(kind)
+        return ErrorEvent(str(message if message is not None else error)[:500], kind_text,
+                          overloaded=kind_text in overloaded_types)
+    return ErrorEvent(str(error)[:500])
+
+
+def expect_object(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    return obj
+
+
+def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[str, ...]) -> None:
+    """Model, sampling and the first budget field present: what most dialects read alike."""
+    model = obj.get("model")
+    info.model = model[:200] if isinstance(model, str) else None
+    for name in budget_fields:
+        if obj.get(name) is not None:
+            info.requested_max_tokens = positive_budget(obj.get(name))
+            break
+    info.seed = as_int(obj.get("seed"))
+    info.temperature = as_number(obj.get("temperature"))

@@ -1,0 +1,1 @@
+"""Fakes, fixtures and builders the tests share: real loopback servers, byte-exact wire formats."""
