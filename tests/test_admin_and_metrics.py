@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
-from tests.test_stop_reasons import CHAT, CHAT_URL
 from tests.support.wire import JSON_HEADERS, openai_stream
+from tests.test_stop_reasons import CHAT, CHAT_URL
 
 
 async def test_concurrency_tags_under_parallel_requests(upstream: ScriptedUpstream, proxy: RunningProxy,

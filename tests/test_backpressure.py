@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from proxy.app import RunningProxy
-from tests.support.proxies import ProxyFactory
 from tests.load.resources import rss_bytes, settle_memory
+from tests.support.proxies import ProxyFactory
 
 MIB = 1 << 20
 TOTAL = 200 * MIB

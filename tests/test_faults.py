@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 from proxy.app import RunningProxy
-from tests.support.proxies import ProxyFactory, record_for
-from tests.support.faulty_upstream import BIG_BODY_SIZE, HEALTHY_BODY, MIB, FaultyUpstream, big_body_block
 from tests.load.resources import fd_census, raise_fd_limit, rss_bytes, settle_memory
+from tests.support.faulty_upstream import BIG_BODY_SIZE, HEALTHY_BODY, MIB, FaultyUpstream, big_body_block
+from tests.support.proxies import ProxyFactory, record_for
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 pytestmark = pytest.mark.timeout(120)

@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects import dialect_named, llamacpp, ollama, openai
-from proxy.recorder import read_request
 from proxy.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.lines import LineSplitter
 from proxy.parsers import parser_for
+from proxy.recorder import read_request
 from proxy.sse import SseDecoder
 from tests.support.chunking import split_at
 from tests.support.wire import ollama_stream, openai_completion, openai_stream, sse

@@ -12,7 +12,14 @@ from proxy.app import start_proxy
 from tests.support.chunking import split_at
 from tests.support.proxies import proxy_config
 from tests.support.scripted_upstream import Script, ScriptedUpstream
-from tests.support.wire import JSON_HEADERS, NDJSON_HEADERS, SSE_HEADERS, ollama_stream, openai_completion, openai_stream
+from tests.support.wire import (
+    JSON_HEADERS,
+    NDJSON_HEADERS,
+    SSE_HEADERS,
+    ollama_stream,
+    openai_completion,
+    openai_stream,
+)
 
 CASES = [
     ("/v1/chat/completions", SSE_HEADERS, b"".join(openai_stream(12, "length")), "length"),

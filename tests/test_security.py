@@ -17,8 +17,8 @@ import pytest
 
 from proxy.cli import build_parser, config_from_args
 from proxy.config import ProxyConfig, parse_host_port
-from tests.support.proxies import ProxyFactory
 from tests.support.faulty_upstream import FaultyUpstream
+from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import SSE_HEADERS, chat_chunk, sse
 

@@ -18,9 +18,9 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
+    from proxy.dialects import dialect_named
     from proxy.events import Event, ParseError
     from proxy.lines import LineSplitter
-    from proxy.dialects import dialect_named
     from proxy.parsers import ResponseParser, parser_for
 
 KINDS = (
