@@ -168,7 +168,15 @@ def panels() -> list[dict[str, Any]]:
               [(f"sum by (kind) (increase(llm_proxy_upstream_errors_total{{{INST}}}{W}))", "{{kind}}"),
                (f'sum(increase(llm_proxy_requests_total{{{IM},stop_reason="rejected"}}{W}))', "rejected (429/503)"),
                (f"sum by (dialect) (increase(llm_proxy_parse_errors_total{{{INST}}}{W}))", "parse error {{dialect}}")]),
-        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 57, "w": 24, "h": 4},
+        panel("timeseries", "Length stops spent on reasoning", "Length stops per interval whose budget went "
+              "mostly (50% or more) to the model's thinking (reasoning models: delta.reasoning, thinking "
+              "blocks, reasoning_tokens), next to all length stops: the visible answer got what the "
+              "thinking left. Records: /api/requests?stop_reason=length (reasoning_share).", (0, 57, 24, 7),
+              [(f"sum by (model) (increase(llm_proxy_reasoning_exhausted_total{{{IM}}}{W}))",
+                "mostly reasoning {{model}}"),
+               (f'sum by (model) (increase(llm_proxy_requests_total{{{IM},stop_reason="length"}}{W}))',
+                "all length stops {{model}}")]),
+        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 64, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
              "Every response has a record on the proxy's admin port (default 127.0.0.1:9464): "
              "`/api/requests?stop_reason=length` lists the answers cut for length, with the requested "

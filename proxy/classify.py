@@ -121,6 +121,13 @@ def _finished(finish: Finish, facts: WireFacts) -> Diagnosis:
             return Diagnosis("length", length_cause="server_limit")
         return Diagnosis("length", length_cause=length_cause(
             facts.output_tokens, facts.requested_max_tokens, facts.n, exact=facts.tokens_exact))
+    if finish.stop == "eos" and finish.limit_blind:
+        # The server says the same for EOS and for a limit: with the whole budget spent, the budget
+        # most likely ended it; otherwise EOS or a full context. Neither is proven.
+        if facts.tokens_exact and length_cause(facts.output_tokens, facts.requested_max_tokens,
+                                               facts.n) == "requested_budget":
+            return Diagnosis("length", length_cause="requested_budget", certain=False)
+        return Diagnosis("eos", certain=False)
     if finish.stop == "eos" and facts.stop_requested and not finish.distinguishes_stop:
         # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.
         return Diagnosis("eos", certain=False)

@@ -33,7 +33,9 @@ class Finish:
     whether the server has such a field at all: without one, a plain "stop" may be EOS or a
     requested stop string alike. `upstream_error` marks a finish that is the engine's failure
     (vLLM's `abort`, `error`); `context_limit` a length stop the server says the context caused
-    (Anthropic's `model_context_window_exceeded`), whatever the budget.
+    (Anthropic's `model_context_window_exceeded`), whatever the budget. `limit_blind` marks an
+    end the server reports alike for EOS and for a limit reached (llama.cpp's Responses API says
+    `completed` for EOS, a spent budget and a full context).
     """
 
     reason: str | None
@@ -44,6 +46,7 @@ class Finish:
     distinguishes_stop: bool = True
     upstream_error: UpstreamErrorKind | None = None
     context_limit: bool = False
+    limit_blind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,7 @@ class ProxyMetrics:
         """Each truncation cause of a model at 0 from its first response on (see __init__)."""
         for cause in TRUNCATION_CAUSES:
             self._child(self.truncated, model, cause)
+        self._child(self.reasoning_exhausted, model)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)

@@ -24,7 +24,7 @@ from proxy.parsers import ResponseParser, parser_for
 from proxy.recorder import ParseLimits, Recorder
 from proxy.sse import SseDecoder
 from tests.support.chunking import split_at
-from tests.support.wire import ollama_stream, openai_stream
+from tests.support.wire import anthropic_stream, ollama_stream, openai_stream, responses_stream
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,6 +37,10 @@ KINDS = {  # (dialect, content type, content encoding)
     "ollama-json": ("ollama", "application/json", ""),
     "llamacpp-sse": ("llamacpp", "text/event-stream", ""),
     "openai-sse-gzip": ("openai", "text/event-stream", "gzip"),
+    "anthropic-sse": ("anthropic", "text/event-stream", ""),
+    "anthropic-json": ("anthropic", "application/json", ""),
+    "responses-sse": ("responses", "text/event-stream", ""),
+    "responses-json": ("responses", "application/json", ""),
 }
 PLAIN_KINDS = [k for k, v in KINDS.items() if not v[2]]
 
@@ -79,7 +83,18 @@ def stop_reason_of(kind: str, chunks: list[bytes]) -> tuple[str, int, int | None
 def valid_streams(draw: st.DrawFn) -> tuple[str, bytes]:
     """A whole, valid stream as a real server sends it, in one of the line-ending styles SSE allows."""
     tokens = draw(st.integers(0, 12))
-    if draw(st.booleans()):
+    family = draw(st.sampled_from(["openai", "ollama", "anthropic", "responses"]))
+    if family == "anthropic":
+        reason = draw(st.sampled_from(["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]))
+        body = b"".join(anthropic_stream(tokens, reason, thinking=draw(st.integers(0, 3)),
+                                         usage=draw(st.booleans()), tool=reason == "tool_use"))
+        return "anthropic-sse", body.replace(b"\n", draw(st.sampled_from([b"\n", b"\r\n", b"\r"])))
+    if family == "responses":
+        status = draw(st.sampled_from(["completed", "incomplete"]))
+        body = b"".join(responses_stream(tokens, status, reason="max_output_tokens" if status == "incomplete" else None,
+                                         reasoning=draw(st.integers(0, 3)), usage=draw(st.booleans())))
+        return "responses-sse", body
+    if family == "openai":
         reason = draw(st.sampled_from(["stop", "length", "tool_calls", "content_filter"]))
         body = b"".join(openai_stream(tokens, reason, usage=draw(st.booleans()),
                                       stop_reason=draw(st.sampled_from([None, "###", 128009]))))

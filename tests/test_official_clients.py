@@ -1,13 +1,17 @@
-"""The official `openai` and `ollama` Python clients work unchanged through the proxy."""
+"""The official `openai`, `anthropic` and `ollama` Python clients work unchanged through the proxy."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import anthropic
 import ollama
 import openai
 import pytest
 
 from proxy.app import RunningProxy
-from tests.support.proxies import record_for
+from proxy.simulator import RunningSimulator, SimulatorConfig, start_simulator
+from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import JSON_HEADERS, NDJSON_HEADERS, ollama_stream, openai_completion, openai_stream
 
@@ -66,3 +70,68 @@ async def test_ollama_client_non_streaming_generate(upstream: ScriptedUpstream, 
     client = ollama.AsyncClient(host=proxy.proxy_url)
     result = await client.generate(model="llama3.2", prompt="hi", stream=False)
     assert result.done and result.eval_count == 0
+
+
+# --- the new dialects, against the simulator speaking them --------------------------------------
+
+SIM_MODEL = SimulatorConfig().model
+
+@pytest.fixture
+async def sim_proxy(make_proxy: ProxyFactory) -> AsyncIterator[tuple[RunningSimulator, RunningProxy]]:
+    async with await start_simulator(SimulatorConfig(token_time_s=0.001)) as sim:
+        yield sim, await make_proxy(sim.url)
+
+
+async def test_anthropic_client_messages_create(sim_proxy: tuple[RunningSimulator, RunningProxy]) -> None:
+    sim, proxy = sim_proxy
+    client = anthropic.AsyncAnthropic(base_url=proxy.proxy_url, api_key="sk-ant-test", max_retries=0)
+    message = await client.messages.create(model=SIM_MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                           extra_headers={"X-Request-Id": "an-create"})
+    await client.close()
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+    record = await record_for(proxy, "an-create")
+    assert (record.dialect, record.route, record.stream) == ("anthropic", "/v1/messages", False)
+    assert (record.stop_reason, record.length_cause, record.output_tokens, record.tokens_source) == (
+        "length", "requested_budget", 8, "usage")
+    assert record.ttft_s is None  # not a stream
+    assert sim.engine.counters.finished_by_cause.get("length_requested") == 1
+
+
+async def test_anthropic_client_messages_stream(sim_proxy: tuple[RunningSimulator, RunningProxy]) -> None:
+    _, proxy = sim_proxy
+    client = anthropic.AsyncAnthropic(base_url=proxy.proxy_url, api_key="sk-ant-test", max_retries=0)
+    async with client.messages.stream(model=SIM_MODEL, max_tokens=2000, messages=[{"role": "user", "content": "hi"}],
+                                      extra_headers={"X-Request-Id": "an-stream"}) as stream:
+        text = "".join([piece async for piece in stream.text_stream])
+        final = await stream.get_final_message()
+    await client.close()
+    assert final.stop_reason == "end_turn" and text
+    record = await record_for(proxy, "an-stream")
+    assert (record.stop_reason, record.output_tokens, record.tokens_source, record.stream) == (
+        "eos", final.usage.output_tokens, "usage", True)
+    assert record.ttft_s is not None and record.prompt_tokens == final.usage.input_tokens
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_openai_client_responses_create(sim_proxy: tuple[RunningSimulator, RunningProxy], stream: bool) -> None:
+    _, proxy = sim_proxy
+    client = openai.AsyncOpenAI(base_url=proxy.proxy_url + "/v1", api_key="sk-test", max_retries=0)
+    rid = f"resp-{stream}"
+    if stream:
+        events = await client.responses.create(model=SIM_MODEL, input="hi", max_output_tokens=6, stream=True,
+                                               extra_headers={"X-Request-Id": rid})
+        final = None
+        async for event in events:
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+        assert final is not None
+    else:
+        final = await client.responses.create(model=SIM_MODEL, input="hi", max_output_tokens=6,
+                                              extra_headers={"X-Request-Id": rid})
+    await client.close()
+    assert final.status == "incomplete" and final.incomplete_details is not None
+    assert final.incomplete_details.reason == "max_output_tokens"
+    record = await record_for(proxy, rid)
+    assert (record.dialect, record.stop_reason, record.length_cause, record.output_tokens) == (
+        "responses", "length", "requested_budget", 6)
+    assert (record.ttft_s is not None) == stream

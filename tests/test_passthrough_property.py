@@ -16,9 +16,13 @@ from tests.support.wire import (
     JSON_HEADERS,
     NDJSON_HEADERS,
     SSE_HEADERS,
+    anthropic_message,
+    anthropic_stream,
     ollama_stream,
     openai_completion,
     openai_stream,
+    responses_body,
+    responses_stream,
 )
 
 CASES = [
@@ -27,6 +31,14 @@ CASES = [
     ("/api/chat", NDJSON_HEADERS, b"".join(ollama_stream(9)), "eos"),
     ("/api/generate", NDJSON_HEADERS, b"".join(ollama_stream(4, "length", chat=False)), "length"),
     ("/v1/chat/completions", JSON_HEADERS, openai_completion(6, "stop"), "eos"),
+    ("/v1/messages", SSE_HEADERS, b"".join(anthropic_stream(12, "max_tokens", thinking=3)), "length"),
+    ("/v1/messages", SSE_HEADERS, b"".join(anthropic_stream(5, stop_sequence="###")).replace(b"\n", b"\r\n"),
+     "stop_sequence"),
+    ("/v1/messages", JSON_HEADERS, anthropic_message(4, "end_turn"), "eos"),
+    ("/v1/responses", SSE_HEADERS, b"".join(responses_stream(7, "incomplete", reason="max_output_tokens",
+                                                             reasoning=2)), "length"),
+    ("/v1/responses", SSE_HEADERS, b"".join(responses_stream(6)), "eos"),
+    ("/v1/responses", JSON_HEADERS, responses_body(3), "eos"),
 ]
 
 

@@ -153,3 +153,20 @@ def test_verdict_text_has_headline_evidence_and_recommendation() -> None:
     assert text[0].startswith("VERDICT (no_load_effect): ")
     assert all(line.startswith("  - ") for line in text[1:-1])
     assert text[-1].startswith("  => ")
+
+
+def test_a_budget_spent_on_reasoning_is_named_in_the_verdict() -> None:
+    from proxy.sweep.stats import by_level, summarize
+    from proxy.sweep.table import render
+    from tests.support.sweep_samples import level
+
+    thinking = {"stop": "length", "length_cause": "requested_budget", "tokens": 200, "reasoning_tokens": 190,
+                "visible_tokens": 10, "reasoning_share": 0.95}
+    samples = level(1, 3, **thinking) + level(4, 6, **thinking)
+    summaries = summarize(samples)
+    v = decide(summaries, by_level(samples))
+    assert (v.kind, v.cause) == ("baseline_truncation", "length:requested_budget")
+    assert any("3 of 3 of these spent most of the budget on reasoning (median 95% of it)" in line
+               for line in v.evidence), v.evidence
+    assert "goes mostly to reasoning" in v.recommendation
+    assert summaries[0].reasoning_heavy == 3 and "95%" in render(summaries)

@@ -9,8 +9,10 @@ reasoning deltas (`response.reasoning_text.delta`, `response.reasoning_summary_t
 may also end with `{"type": "error", "code", "message"}`. A non-streaming answer is the response
 object itself. Checked against the openai SDK's types (ResponseStreamEvent, Response) and vLLM
 0.32, which ends a budget stop with `response.completed` whose status is `incomplete`
-(vllm/entrypoints/openai/responses): the status decides, not the event's name. One delta may
-carry several tokens, so counted deltas are a lower bound, like chat chunks.
+(vllm/entrypoints/openai/responses): the status decides, not the event's name. llama.cpp's server
+says `completed` even when `max_output_tokens` or the context ran out, and its response object
+has no `incomplete_details` field: its `completed` is not proof of an answer that ended itself.
+One delta may carry several tokens, so counted deltas are a lower bound, like chat chunks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.dialects.base import Dialect, as_int, error_event, expect_object, read_common
-from proxy.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, Usage
+from proxy.events import ONE_REASONING_TOKEN, ONE_TOKEN, ErrorEvent, Event, Finish, Usage
 from proxy.record import RequestInfo, StopReason
 
 ROUTES = ("/v1/responses",)
@@ -41,7 +43,11 @@ def _terminal(response: dict[str, Any]) -> list[Event]:
         output = response.get("output")
         tools = isinstance(output, list) and any(isinstance(i, dict) and i.get("type") in _TOOL_ITEMS
                                                  for i in output)
-        found.append(Finish("completed", "tool_calls" if tools else "eos"))
+        # A server that can report an incomplete answer sends `incomplete_details` (null here).
+        # llama.cpp's omits the field and says "completed" for a spent budget and a full context
+        # too (tools/server/server-task.cpp, to_json_oaicompat_resp): then it proves nothing.
+        blind = "incomplete_details" not in response
+        found.append(Finish("completed", "tool_calls" if tools else "eos", limit_blind=blind))
     elif status == "incomplete":
         details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
@@ -66,8 +72,8 @@ def events(obj: Any) -> list[Event]:
     if kind in _TERMINAL:
         response = obj.get("response")
         return _terminal(response) if isinstance(response, dict) else []
-    if kind == "error":
-        return [error_event(obj)]
+    if kind == "error":  # {"type": "error", "code", "message"}: the code says what went wrong
+        return [ErrorEvent(str(obj.get("message"))[:500], None if obj.get("code") is None else str(obj["code"]))]
     if kind is None and obj.get("object") == "response":
         return _terminal(obj)  # a non-streaming answer
     if kind is None and "error" in obj:

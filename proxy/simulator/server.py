@@ -1,4 +1,4 @@
-"""The simulator's HTTP face: an aiohttp app speaking vLLM's OpenAI API and Ollama's native API."""
+"""The simulator's HTTP face: vLLM's OpenAI, Anthropic Messages and Responses APIs, and Ollama's own."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from proxy.simulator import ollama_wire, openai_wire
+from proxy.simulator import anthropic_wire, ollama_wire, openai_wire, responses_wire
 from proxy.simulator.config import SimulatorConfig
 from proxy.simulator.driver import EngineDriver, SequenceStream
 from proxy.simulator.engine import EngineCore, Output, Rejected, Scheduled, SequenceFinish
@@ -97,9 +97,12 @@ async def generate(request: web.Request, fmt: WireFormat, parsed: GenerationRequ
     admission = driver.submit(parsed.spec(config))
     if isinstance(admission, Rejected):
         message = admission.message
+        status = admission.status
         if admission.kind == "kv_full" and isinstance(fmt, ollama_wire.OllamaStream):
             message = OLLAMA_BUSY
-        return json_response(fmt.error_body(admission.status, message), admission.status)
+        if admission.kind == "kv_full" and isinstance(fmt, anthropic_wire.AnthropicStream):
+            status = anthropic_wire.OVERLOADED_STATUS  # Anthropic's way of saying "too busy"
+        return json_response(fmt.error_body(status, message), status)
     stream, progress = admission, _Progress()
     try:
         if parsed.stream:
@@ -207,6 +210,29 @@ async def _serve_openai(request: web.Request, kind: openai_wire.Kind) -> web.Str
     return await _serve(request, fmt, parsed, faults)
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's /v1/messages."""
+    model = request.app[CONFIG_KEY].model
+    try:
+        faults = _faults(request)
+        parsed = anthropic_wire.parse_request(await _read_body(request), model)
+    except WireError as exc:
+        return json_response(anthropic_wire.error_body(exc.status, exc.message), exc.status)
+    return await _serve(request, anthropic_wire.AnthropicStream(model, parsed.prompt_tokens), parsed, faults)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's /v1/responses."""
+    model = request.app[CONFIG_KEY].model
+    try:
+        faults = _faults(request)
+        parsed = responses_wire.parse_request(await _read_body(request), model)
+    except WireError as exc:
+        return json_response(responses_wire.ResponsesStream.error_body(exc.status, exc.message, exc.param),
+                             exc.status)
+    return await _serve(request, responses_wire.ResponsesStream(model, parsed.requested_tokens), parsed, faults)
+
+
 async def ollama_chat(request: web.Request) -> web.StreamResponse:
     return await _serve_ollama(request, "chat")
 
@@ -285,6 +311,8 @@ def build_app(config: SimulatorConfig) -> web.Application:
     add = app.router
     add.add_post("/v1/chat/completions", chat_completions)
     add.add_post("/v1/completions", completions)
+    add.add_post("/v1/messages", messages)
+    add.add_post("/v1/responses", responses)
     add.add_get("/v1/models", list_models)
     add.add_post("/api/chat", ollama_chat)
     add.add_post("/api/generate", ollama_generate)

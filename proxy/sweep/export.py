@@ -15,7 +15,8 @@ from proxy.sweep.verdict import Verdict
 
 CSV_RECORD_FIELDS = (
     "status", "stop_reason", "length_cause", "finish_reason_raw", "requested_max_tokens", "output_tokens",
-    "tokens_source", "ttft_s", "itl_mean_s", "itl_p95_s", "itl_max_s", "duration_s", "queue_time_s",
+    "tokens_source", "reasoning_tokens", "visible_tokens", "reasoning_share",
+    "ttft_s", "itl_mean_s", "itl_p95_s", "itl_max_s", "duration_s", "queue_time_s",
     "deadline_hit", "client_disconnected", "upstream_error", "preemptions_during", "vram_free_min_bytes",
     "kv_cache_usage_max", "concurrency_at_start", "concurrency_mean", "concurrency_peak",
 )

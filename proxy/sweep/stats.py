@@ -120,6 +120,8 @@ class LevelSummary:
     kv_cache_usage_max: float | None
     concurrency_mean: float | None
     joined: int
+    reasoning_share_median: float | None = None  # of the budget, over responses whose share is known
+    reasoning_heavy: int = 0  # length stops whose budget went mostly to reasoning
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +144,7 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
     preemptions = _present(r.preemptions_during for r in records)
     vram = [r.vram_free_min_bytes for r in records if r.vram_free_min_bytes is not None]
     kv = _present(r.kv_cache_usage_max for r in records)
+    shares = _present(r.reasoning_share for r in records)
     joined = [s for s in samples if s.record_source == "proxy"]
     complete = sum(1 for r in records if is_complete(r))
     return LevelSummary(
@@ -173,6 +176,8 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         kv_cache_usage_max=max(kv) if kv else None,
         concurrency_mean=mean([s.record.concurrency_mean for s in joined]) if joined else None,
         joined=len(joined),
+        reasoning_share_median=median(shares) if any(shares) else None,
+        reasoning_heavy=sum(1 for r in records if r.budget_mostly_reasoning),
     )
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from proxy.sweep.stats import LevelSummary
 
-COLUMNS = ("conc", "n", "out tok med [IQR]", "complete", "TTFT p50/p95", "ITL p50/p95", "deadline",
+COLUMNS = ("conc", "n", "out tok med [IQR]", "reasoning", "complete", "TTFT p50/p95", "ITL p50/p95", "deadline",
            "disconn", "preempt", "VRAM free min", "KV max", "stop reasons")
 
 
@@ -34,6 +34,7 @@ def row(summary: LevelSummary) -> tuple[str, ...]:
         str(s.level),
         str(s.n),
         f"{'~' if s.tokens_counted else ''}{s.output_tokens_median:g} [{s.output_tokens_q1:g}-{s.output_tokens_q3:g}]",
+        "-" if s.reasoning_share_median is None else f"{s.reasoning_share_median:.0%}",
         f"{s.completion_rate:.0%}",
         f"{seconds(s.ttft_p50_s)}/{seconds(s.ttft_p95_s)}",
         f"{seconds(s.itl_p50_s)}/{seconds(s.itl_p95_s)}",

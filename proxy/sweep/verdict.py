@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from proxy.record import ResponseRecord
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import (
     Interval,
@@ -114,7 +115,11 @@ def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency:
     causes = Counter(stop_label(s.record) for s in samples if not is_complete(s.record))
     cause, count = causes.most_common(1)[0]
     detail = _cause_detail(cause, [s for s in samples if stop_label(s.record) == cause], client_timeout_s)
-    if cause == "length:requested_budget":
+    if cause == "length:requested_budget" and any(s.record.budget_mostly_reasoning for s in samples):
+        advice = (f"the budget of {base.requested_max_tokens} tokens goes mostly to reasoning: raise "
+                  "--max-tokens (or lower the reasoning effort) so answers can end on their own; only then "
+                  "can the completion rate show a load effect")
+    elif cause == "length:requested_budget":
         advice = (f"raise --max-tokens above {base.requested_max_tokens} so answers can end on their "
                   "own; only then can the completion rate show a load effect")
     else:
@@ -173,15 +178,29 @@ def _policy_name(cause: str, client_timeout_s: float | None) -> str:
     return f"the client's timeout{timeout}"
 
 
+def _reasoning_line(records: Sequence[ResponseRecord]) -> list[str]:
+    """For length stops: how much of the budget went to thinking, when that is most of it."""
+    heavy = [r for r in records if r.budget_mostly_reasoning]
+    if not heavy:
+        return []
+    shares = [r.reasoning_share or 0.0 for r in heavy]
+    visible = [float(r.visible_tokens) for r in heavy if r.visible_tokens is not None]
+    answer = f"; the visible answer got a median {median(visible):g} tokens" if visible else ""
+    return [f"{len(heavy)} of {len(records)} of these spent most of the budget on reasoning (median "
+            f"{_pct(median(shares) or 0.0)} of it){answer}"]
+
+
 def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float | None) -> list[str]:
     """Numbers that characterise one cause: where the limit sits."""
     records = [s.record for s in samples]
+    if cause == "length:requested_budget":
+        return _reasoning_line(records)
     if cause == "length:server_limit":
         tokens = sorted(output_tokens(r) for r in records)
         budget = median([float(r.requested_max_tokens) for r in records if r.requested_max_tokens])
         asked = f" though {budget:g} were requested" if budget is not None else ""
         return [f"these stopped at {_range(tokens)} output tokens{asked} (finish_reason "
-                f"{_mode([r.finish_reason_raw or '?' for r in records])!r})"]
+                f"{_mode([r.finish_reason_raw or '?' for r in records])!r})", *_reasoning_line(records)]
     if cause in ("deadline", "idle_timeout", "client_disconnect"):
         durations = [r.duration_s for r in records]
         line = f"these lasted {_seconds_range(durations)} (median {_s(median(durations))})"

@@ -56,6 +56,17 @@ def chat(max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
     }
 
 
+def messages(max_tokens: int, stream: bool, **extra: Any) -> dict[str, Any]:
+    """Anthropic Messages (it has no seed; greedy decoding makes it deterministic anyway)."""
+    return {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+            "stream": stream, "temperature": 0, **extra}
+
+
+def responses(max_output_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "tiny", "input": PROMPT, "max_output_tokens": max_output_tokens, "stream": stream,
+            "temperature": 0}
+
+
 def native(n_predict: int, stream: bool, **extra: Any) -> dict[str, Any]:
     return {"prompt": PROMPT, "n_predict": n_predict, "stream": stream, **GREEDY, **extra}
 
@@ -95,6 +106,14 @@ async def capture_all(split: LlamaServer, unified: LlamaServer, eos: LlamaServer
             await save(f"completion_{kind}_eos", eos, "/completion", native(400, stream))
             await save(f"chat_{kind}_stop_word", split, "/v1/chat/completions", chat(40, stream, stop=[STOP_WORD]))
             await save(f"completion_{kind}_stop_word", split, "/completion", native(80, stream, stop=[STOP_WORD]))
+            await save(f"messages_{kind}_budget", split, "/v1/messages", messages(8, stream))
+            await save(f"messages_{kind}_slot_limit", split, "/v1/messages", messages(400, stream))
+            await save(f"messages_{kind}_eos", eos, "/v1/messages", messages(400, stream))
+            await save(f"messages_{kind}_stop_word", split, "/v1/messages",
+                       messages(40, stream, stop_sequences=[STOP_WORD]))
+            await save(f"responses_{kind}_budget", split, "/v1/responses", responses(8, stream))
+            await save(f"responses_{kind}_slot_limit", split, "/v1/responses", responses(400, stream))
+            await save(f"responses_{kind}_eos", eos, "/v1/responses", responses(400, stream))
         await save("chat_stream_budget_usage", split, "/v1/chat/completions",
                    chat(8, True, stream_options={"include_usage": True}))
 

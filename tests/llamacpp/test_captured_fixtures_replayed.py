@@ -46,6 +46,25 @@ EXPECTED: dict[str, tuple[str, str | None, bool | None, str | None]] = {
     "chat_nonstream_prompt_exceeds_slot.json": ("upstream_error", None, None, "http_status"),
     "chat_nonstream_unified_pool_exhausted.json": ("upstream_error", None, None, "http_status"),
     "chat_stream_unified_pool_exhausted.sse": ("upstream_error", None, None, "error_event"),
+    # Anthropic Messages: end_turn for EOS and a stop word alike, the word named in stop_sequence.
+    "messages_nonstream_budget.json": ("length", "requested_budget", None, None),
+    "messages_stream_budget.sse": ("length", "requested_budget", None, None),
+    "messages_nonstream_slot_limit.json": ("length", "server_limit", None, None),
+    "messages_stream_slot_limit.sse": ("length", "server_limit", None, None),
+    "messages_nonstream_eos.json": ("eos", None, None, None),
+    "messages_stream_eos.sse": ("eos", None, None, None),
+    "messages_nonstream_stop_word.json": ("stop_sequence", None, None, None),
+    "messages_stream_stop_word.sse": ("stop_sequence", None, None, None),
+}
+# The Responses API: llama.cpp says "completed" for EOS, a spent budget and a full slot alike, and
+# sends no incomplete_details: (stop_reason, length_cause), neither certain.
+RESPONSES_LIMIT_BLIND: dict[str, tuple[str, str | None]] = {
+    "responses_nonstream_budget.json": ("length", "requested_budget"),
+    "responses_stream_budget.sse": ("length", "requested_budget"),
+    "responses_nonstream_eos.json": ("eos", None),
+    "responses_stream_eos.sse": ("eos", None),
+    "responses_nonstream_slot_limit.json": ("eos", None),  # in truth the slot's context: the wire cannot tell
+    "responses_stream_slot_limit.sse": ("eos", None),
 }
 # llama.cpp's OpenAI-compatible output says only finish_reason "stop" for a stop string, exactly
 # as for EOS (stopping_word appears only in the native and __verbose output).
@@ -53,7 +72,7 @@ STOP_WORD_VIA_OPENAI = ("chat_nonstream_stop_word.json", "chat_stream_stop_word.
 
 
 def test_every_captured_fixture_has_an_expectation() -> None:
-    assert set(INDEX) == set(EXPECTED) | set(STOP_WORD_VIA_OPENAI)
+    assert set(INDEX) == set(EXPECTED) | set(STOP_WORD_VIA_OPENAI) | set(RESPONSES_LIMIT_BLIND)
 
 
 async def replay(request: web.Request) -> web.StreamResponse:
@@ -128,6 +147,17 @@ async def test_openai_stop_from_llamacpp_is_not_claimed_as_certain_eos_when_stop
     _, record = await replay_through(replaying_proxy, name)
     assert record["finish_reason_raw"] == "stop"
     assert record["stop_reason"] == "eos" and record["stop_reason_certain"] is False
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES_LIMIT_BLIND))
+async def test_llamacpp_responses_completed_is_recorded_but_never_claimed_certain(
+    replaying_proxy: Any, name: str
+) -> None:
+    received, record = await replay_through(replaying_proxy, name)
+    assert received == (FIXTURES / name).read_bytes()
+    assert (record["dialect"], record["finish_reason_raw"]) == ("responses", "completed")
+    assert (record["stop_reason"], record["length_cause"]) == RESPONSES_LIMIT_BLIND[name]
+    assert record["stop_reason_certain"] is False and record["tokens_source"] == "usage"
 
 
 async def test_replayed_context_errors_keep_the_servers_message(replaying_proxy: Any) -> None:

@@ -424,3 +424,56 @@ async def test_server_metrics_slots_and_health_are_reachable_through_the_proxy_p
             assert await resp.json() == {"status": "ok"}
     record = await record_of(running, rid)
     assert (record["route"], record["stop_reason"]) == ("other", "not_inference")
+
+
+# --- the Anthropic Messages and OpenAI Responses routes llama-server also serves ---------------
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_anthropic_messages_through_the_official_client(
+    eos_single_server: LlamaServer, split_server: LlamaServer, proxy_for: Any, stream: bool
+) -> None:
+    import anthropic
+
+    for server, budget, expected in ((eos_single_server, 400, ("eos", None)),
+                                     (split_server, 8, ("length", "requested_budget")),
+                                     (split_server, 400, ("length", "server_limit"))):
+        running = await proxy_for(server.url)
+        rid = new_id()
+        client = anthropic.AsyncAnthropic(base_url=running.proxy_url, api_key="unused", max_retries=0)
+        if stream:
+            # (the anthropic SDK 2 takes no temperature; the tiny model's chain needs none)
+            async with client.messages.stream(model=ALIAS, max_tokens=budget, messages=MESSAGES,
+                                              extra_headers={"X-Request-Id": rid}) as events:
+                final = await events.get_final_message()
+        else:
+            final = await client.messages.create(model=ALIAS, max_tokens=budget, messages=MESSAGES,
+                                                 extra_headers={"X-Request-Id": rid})
+        await client.close()
+        record = await record_of(running, rid)
+        assert (record["dialect"], record["stop_reason"], record["length_cause"]) == ("anthropic", *expected)
+        assert (record["output_tokens"], record["tokens_source"]) == (final.usage.output_tokens, "usage")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_responses_through_the_official_client(
+    eos_single_server: LlamaServer, split_server: LlamaServer, proxy_for: Any, stream: bool
+) -> None:
+    """llama-server says "completed" whatever ended the answer: the record keeps it uncertain."""
+    for server, budget, expected in ((eos_single_server, 400, ("eos", None)),
+                                     (split_server, 8, ("length", "requested_budget"))):
+        running = await proxy_for(server.url)
+        rid = new_id()
+        async with client_for(running) as client:
+            if stream:
+                events = await client.responses.create(model=ALIAS, input=PROMPT, max_output_tokens=budget,
+                                                       temperature=0, stream=True,
+                                                       extra_headers={"X-Request-Id": rid})
+                statuses = [event.response.status async for event in events if event.type == "response.completed"]
+                assert statuses == ["completed"]
+            else:
+                response = await client.responses.create(model=ALIAS, input=PROMPT, max_output_tokens=budget,
+                                                         temperature=0, extra_headers={"X-Request-Id": rid})
+                assert response.status == "completed"
+        record = await record_of(running, rid)
+        assert (record["dialect"], record["stop_reason"], record["length_cause"]) == ("responses", *expected)
+        assert record["stop_reason_certain"] is False

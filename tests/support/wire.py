@@ -85,3 +85,125 @@ def ollama_stream(tokens: int, done_reason: str = "stop", *, chat: bool = True, 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
 NDJSON_HEADERS = {"Content-Type": "application/x-ndjson"}
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+# --- Anthropic Messages (the anthropic SDK's MessageStreamEvent shapes) ------------------------
+
+def named_sse(event: str, obj: Any) -> bytes:
+    """One SSE event with a name, as Anthropic's API and the servers that copy it write them."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+ANTHROPIC_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
+
+
+def anthropic_stream(tokens: int, stop_reason: str = "end_turn", *, stop_sequence: str | None = None,
+                     thinking: int = 0, input_tokens: int = 12, usage: bool = True,
+                     tool: bool = False) -> list[bytes]:
+    """A streamed message: `thinking` thinking deltas, then `tokens` text (or tool input) deltas."""
+    message = {"id": "msg_01", "type": "message", "role": "assistant", "content": [], "model": "m",
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": input_tokens, "output_tokens": 1}}
+    out = [named_sse("message_start", {"type": "message_start", "message": message}),
+           named_sse("ping", {"type": "ping"})]
+    index = 0
+    if thinking:
+        out.append(named_sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": {"type": "thinking", "thinking": ""}}))
+        out += [named_sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "thinking_delta", "thinking": f"hm{i} "}})
+                for i in range(thinking)]
+        out.append(named_sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                     "delta": {"type": "signature_delta", "signature": "c2ln"}}))
+        out.append(named_sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        index += 1
+    if tool:
+        block = {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {}}
+        delta = [{"type": "input_json_delta", "partial_json": f'{{"c{i}":' if i == 0 else f'"{i}"'}
+                 for i in range(tokens)]
+    else:
+        block = {"type": "text", "text": ""}
+        delta = [{"type": "text_delta", "text": f"t{i} "} for i in range(tokens)]
+    out.append(named_sse("content_block_start", {"type": "content_block_start", "index": index,
+                                                 "content_block": block}))
+    out += [named_sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": d})
+            for d in delta]
+    out.append(named_sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+    final: dict[str, Any] = {"type": "message_delta",
+                             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}
+    if usage:
+        final["usage"] = {"output_tokens": tokens + thinking}
+    out.append(named_sse("message_delta", final))
+    out.append(named_sse("message_stop", {"type": "message_stop"}))
+    return out
+
+
+def anthropic_message(tokens: int, stop_reason: str = "end_turn", *, stop_sequence: str | None = None,
+                      input_tokens: int = 12) -> bytes:
+    """A non-streaming Messages answer."""
+    return orjson.dumps({"id": "msg_01", "type": "message", "role": "assistant", "model": "m",
+                         "content": [{"type": "text", "text": "x " * tokens}], "stop_reason": stop_reason,
+                         "stop_sequence": stop_sequence,
+                         "usage": {"input_tokens": input_tokens, "output_tokens": tokens}})
+
+
+def anthropic_error(kind: str, message: str) -> bytes:
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+# --- OpenAI Responses (the openai SDK's ResponseStreamEvent shapes) ----------------------------
+
+def _response(status: str, *, output_tokens: int | None, reasoning: int = 0, reason: str | None = None,
+              tool: bool = False, max_output_tokens: int | None = 64, llamacpp: bool = False) -> dict[str, Any]:
+    output: list[dict[str, Any]] = []
+    if tool:
+        output.append({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}",
+                       "status": "completed"})
+    else:
+        output.append({"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": "...", "annotations": []}]})
+    usage = None if output_tokens is None else {
+        "input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": 9 + output_tokens}
+    if llamacpp:  # llama-server's response object: no incomplete_details, error or max_output_tokens
+        return {"completed_at": 1733000000, "created_at": 1733000000, "id": "resp_1", "model": "m",
+                "object": "response", "output": output, "status": status, "usage": usage}
+    return {"id": "resp_1", "object": "response", "created_at": 1733000000, "status": status, "model": "m",
+            "output": output, "incomplete_details": None if reason is None else {"reason": reason},
+            "max_output_tokens": max_output_tokens, "usage": usage, "error": None}
+
+
+def responses_stream(tokens: int, status: str = "completed", *, reason: str | None = None, reasoning: int = 0,
+                     usage: bool = True, terminal: str | None = None, tool: bool = False,
+                     llamacpp: bool = False) -> list[bytes]:
+    """A streamed response: created, `reasoning` reasoning deltas, `tokens` text deltas, the terminal event.
+
+    `terminal` names the terminal event (default: response.completed for completed, response.incomplete
+    for incomplete, response.failed for failed; vLLM sends response.completed with status incomplete).
+    """
+    seq = iter(range(10_000))
+    created = _response("in_progress", output_tokens=None)
+    created["output"] = []
+    out = [named_sse("response.created", {"type": "response.created", "sequence_number": next(seq),
+                                          "response": created})]
+    out += [named_sse("response.reasoning_text.delta", {"type": "response.reasoning_text.delta", "item_id": "rs_1",
+                                                        "output_index": 0, "content_index": 0, "delta": f"r{i} ",
+                                                        "sequence_number": next(seq)})
+            for i in range(reasoning)]
+    kind = "response.function_call_arguments.delta" if tool else "response.output_text.delta"
+    out += [named_sse(kind, {"type": kind, "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                             "delta": f"t{i} ", "logprobs": [], "sequence_number": next(seq)})
+            for i in range(tokens)]
+    final = _response(status, output_tokens=(tokens + reasoning) if usage else None, reasoning=reasoning,
+                      reason=reason, tool=tool, llamacpp=llamacpp)
+    if status == "failed":
+        final["error"] = {"code": "server_error", "message": "the engine failed"}
+    name = terminal or {"completed": "response.completed", "incomplete": "response.incomplete",
+                        "failed": "response.failed"}[status]
+    out.append(named_sse(name, {"type": name, "sequence_number": next(seq), "response": final}))
+    return out
+
+
+def responses_body(tokens: int, status: str = "completed", *, reason: str | None = None, reasoning: int = 0) -> bytes:
+    """A non-streaming Responses answer: the response object."""
+    return orjson.dumps(_response(status, output_tokens=tokens + reasoning, reasoning=reasoning, reason=reason))

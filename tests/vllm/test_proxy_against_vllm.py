@@ -330,3 +330,54 @@ async def test_vllm_does_not_count_aborts_the_proxy_does(vllm: VllmServer, proxy
     await asyncio.sleep(0.5)
     after = await vllm_gauge(vllm, "vllm:request_success_total", 'finished_reason="abort"')
     assert after == before
+
+
+# --- Anthropic Messages and OpenAI Responses, which vLLM 0.32 serves too ------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_anthropic_messages_through_the_official_client(vllm: VllmServer, proxy_for: Any,
+                                                               chain: dict[str, Any], stream: bool) -> None:
+    import anthropic
+
+    running = await proxy_for(vllm.url)
+    cases = ((300, "hello", None, ("eos", None)), (40, "hello", None, ("length", "requested_budget")),
+             (300, LONG_PROMPT, None, ("length", "server_limit")),
+             (300, "hello", [chain["texts"][14]], ("stop_sequence", None)))
+    client = anthropic.AsyncAnthropic(base_url=running.proxy_url, api_key="unused", max_retries=0)
+    for budget, prompt, stop, expected in cases:
+        rid = new_id()
+        kwargs: dict[str, Any] = {"model": SERVED_NAME, "max_tokens": budget, "extra_headers": {"X-Request-Id": rid},
+                                  "messages": [{"role": "user", "content": prompt}]}
+        if stop:
+            kwargs["stop_sequences"] = stop
+        if stream:
+            async with client.messages.stream(**kwargs) as events:
+                final = await events.get_final_message()
+        else:
+            final = await client.messages.create(**kwargs)
+        record = await record_for(running, rid)
+        assert (record.dialect, record.stop_reason, record.length_cause) == ("anthropic", *expected), final
+        assert (record.output_tokens, record.tokens_source) == (final.usage.output_tokens, "usage")
+    await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_responses_through_the_official_client(vllm: VllmServer, proxy_for: Any, stream: bool) -> None:
+    """vLLM says `incomplete` for a spent budget, and sends incomplete_details: its `completed` is proof."""
+    running = await proxy_for(vllm.url)
+    async with client_for(running) as client:
+        for budget, expected in ((300, ("eos", None)), (40, ("length", "requested_budget"))):
+            rid = new_id()
+            if stream:
+                events = await client.responses.create(model=SERVED_NAME, input="hello", max_output_tokens=budget,
+                                                       stream=True, extra_headers={"X-Request-Id": rid})
+                async for _ in events:
+                    pass
+            else:
+                await client.responses.create(model=SERVED_NAME, input="hello", max_output_tokens=budget,
+                                              extra_headers={"X-Request-Id": rid})
+            record = await record_for(running, rid)
+            assert (record.dialect, record.stop_reason, record.length_cause, record.stop_reason_certain) == (
+                "responses", *expected, True)
+            assert record.tokens_source == "usage"
+            assert (record.ttft_s is not None) == stream

@@ -1,0 +1,245 @@
+"""Each dialect module on its own: routes, request fields, the events in its objects, its finish table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.dialects import REGISTRY, anthropic, dialect_named, ollama, openai, responses, route_of
+from proxy.events import (
+    DONE,
+    ONE_REASONING_TOKEN,
+    ONE_TOKEN,
+    ErrorEvent,
+    Event,
+    Finish,
+    ServerTimings,
+    TokenDelta,
+    Usage,
+)
+from proxy.recorder import read_request
+from tests.support.wire import anthropic_message, anthropic_stream, responses_body, responses_stream
+
+
+def data_of(event: bytes) -> Any:
+    """The JSON of one SSE event built by tests.support.wire."""
+    line = next(line for line in event.split(b"\n") if line.startswith(b"data: "))
+    return orjson.loads(line[6:])
+
+
+def all_events(dialect_events: Any, stream: list[bytes]) -> list[Event]:
+    return [e for event in stream for e in dialect_events(data_of(event))]
+
+
+def finishes(events: list[Event]) -> list[Finish]:
+    return [e for e in events if isinstance(e, Finish)]
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "route", "dialect"), [
+    ("/v1/chat/completions", "/v1/chat/completions", "openai"),
+    ("/v1/chat/completions/", "/v1/chat/completions", "openai"),
+    ("/api/chat", "/api/chat", "ollama"),
+    ("/completion", "/completion", "llamacpp"),
+    ("/v1/messages", "/v1/messages", "anthropic"),
+    ("/v1/responses", "/v1/responses", "responses"),
+    ("/v1/messages/count_tokens", "other", None),
+    ("/v1/models", "other", None),
+])
+def test_routes_find_their_dialect(path: str, route: str, dialect: str | None) -> None:
+    found_route, found = route_of(path)
+    assert (found_route, found.name if found else None) == (route, dialect)
+
+
+def test_every_route_belongs_to_one_dialect() -> None:
+    routes = [r for d in REGISTRY for r in d.routes]
+    assert len(routes) == len(set(routes))
+    assert {d.name for d in REGISTRY} == {"openai", "ollama", "llamacpp", "anthropic", "responses"}
+
+
+# --- OpenAI chat/completions ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "stop_reason", "expected"), [
+    ("stop", None, "eos"), ("stop", "###", "stop_sequence"), ("stop", 128009, "stop_sequence"),
+    ("length", None, "length"), ("tool_calls", None, "tool_calls"), ("function_call", None, "tool_calls"),
+    ("content_filter", None, "content_filter"), ("repetition", None, "repetition"),
+    ("abort", None, "upstream_error"), ("error", None, "upstream_error"), ("weird", None, "unknown"),
+])
+def test_openai_finish_table(raw: str, stop_reason: Any, expected: str) -> None:
+    chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": raw, "stop_reason": stop_reason}]}
+    (finish,) = finishes(openai.events(chunk))
+    assert (finish.reason, finish.stop) == (raw, expected)
+
+
+def test_openai_abort_and_error_are_engine_failures() -> None:
+    kinds = [finishes(openai.events({"choices": [{"index": 0, "finish_reason": r}]}))[0].upstream_error
+             for r in ("abort", "error", "stop")]
+    assert kinds == ["abort", "error_event", None]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_openai_reasoning_deltas_count_apart_from_the_answer(field: str) -> None:
+    assert openai.events({"choices": [{"index": 0, "delta": {field: "hmm"}, "finish_reason": None}]}) == [
+        ONE_REASONING_TOKEN]
+    both = {"choices": [{"index": 0, "delta": {field: "so", "content": "A"}, "finish_reason": None}]}
+    assert openai.events(both) == [ONE_REASONING_TOKEN, ONE_TOKEN]
+
+
+def test_openai_tool_call_deltas_and_empty_content_are_told_apart() -> None:
+    tool = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+                         "finish_reason": None}]}
+    assert openai.events(tool) == [ONE_TOKEN]
+    assert openai.events({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}) == []
+
+
+def test_openai_usage_with_reasoning_details() -> None:
+    usage = {"prompt_tokens": 5, "completion_tokens": 90,
+             "completion_tokens_details": {"reasoning_tokens": 70}}
+    assert openai.events({"choices": [], "usage": usage}) == [Usage(5, 90, 70)]
+
+
+def test_llamacpp_timings_on_an_openai_chunk_give_the_token_count() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+             "timings": {"prompt_ms": 5.0, "predicted_ms": 40.0, "predicted_n": 8}}
+    found = openai.events(chunk)
+    assert Usage(None, 8) in found and ServerTimings(prompt_eval_s=0.005, eval_s=0.04) in found
+    assert finishes(found)[0].distinguishes_stop is False  # llama.cpp has no stop_reason field
+
+
+# --- Ollama ------------------------------------------------------------------------------------
+
+def test_ollama_thinking_is_reasoning() -> None:
+    assert ollama.events({"message": {"role": "assistant", "content": "", "thinking": "hm"}, "done": False}) == [
+        ONE_REASONING_TOKEN]
+    assert ollama.events({"response": "", "thinking": "hm", "done": False}) == [ONE_REASONING_TOKEN]
+    assert ollama.events({"message": {"role": "assistant", "content": "", "tool_calls": [{}]}, "done": False}) == [
+        ONE_TOKEN]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("stop", "eos"), ("length", "length"), ("load", "not_inference"),
+                                               ("unload", "not_inference"), ("odd", "unknown")])
+def test_ollama_done_reasons(raw: str, expected: str) -> None:
+    (finish,) = finishes(ollama.events({"done": True, "done_reason": raw, "eval_count": 1}))
+    assert finish.stop == expected and not finish.distinguishes_stop
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "sequence", "expected"), [
+    ("end_turn", None, "eos"),
+    ("end_turn", "###", "stop_sequence"),  # llama.cpp: end_turn, naming the stop word it matched
+    ("stop_sequence", "###", "stop_sequence"),
+    ("max_tokens", None, "length"),
+    ("tool_use", None, "tool_calls"),
+    ("pause_turn", None, "tool_calls"),
+    ("refusal", None, "content_filter"),
+    ("model_context_window_exceeded", None, "length"),
+    ("something_new", None, "unknown"),
+])
+def test_anthropic_stop_reason_table(raw: str, sequence: str | None, expected: str) -> None:
+    (finish,) = finishes(all_events(anthropic.events, anthropic_stream(1, raw, stop_sequence=sequence)))
+    assert (finish.reason, finish.stop, finish.detail) == (raw, expected, sequence)
+    assert finish.context_limit == (raw == "model_context_window_exceeded")
+
+
+def test_anthropic_stream_events_in_order() -> None:
+    found = all_events(anthropic.events, anthropic_stream(3, "max_tokens", thinking=2, input_tokens=12))
+    assert found == [Usage(12, None), ONE_REASONING_TOKEN, ONE_REASONING_TOKEN, ONE_TOKEN, ONE_TOKEN, ONE_TOKEN,
+                     Finish("max_tokens", "length"), Usage(None, 5), DONE]
+
+
+def test_anthropic_tool_input_deltas_are_tokens() -> None:
+    found = all_events(anthropic.events, anthropic_stream(4, "tool_use", tool=True))
+    assert found.count(ONE_TOKEN) == 4 and finishes(found)[0].stop == "tool_calls"
+
+
+def test_anthropic_cached_input_counts_as_prompt() -> None:
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 3, "cache_read_input_tokens": 100,
+                                                             "output_tokens": 0}}}
+    assert anthropic.events(start) == [Usage(103, None)]
+
+
+def test_anthropic_errors_and_overload() -> None:
+    overloaded = anthropic.events({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+    assert overloaded == [ErrorEvent("Overloaded", "overloaded_error", overloaded=True)]
+    other = anthropic.events({"type": "error", "error": {"type": "api_error", "message": "boom"}})
+    assert other == [ErrorEvent("boom", "api_error")]
+
+
+def test_anthropic_non_streaming_message() -> None:
+    found = anthropic.events(orjson.loads(anthropic_message(7, "stop_sequence", stop_sequence="END")))
+    assert found == [Finish("stop_sequence", "stop_sequence", 0, "END"), Usage(12, 7)]
+
+
+def test_anthropic_request_fields() -> None:
+    info = read_request(anthropic.DIALECT, orjson.dumps({
+        "model": "claude-ish", "max_tokens": 4096, "stop_sequences": ["###"], "temperature": 0.2,
+        "thinking": {"type": "enabled", "budget_tokens": 3000}, "messages": []}))
+    assert (info.model, info.requested_max_tokens, info.stop_requested, info.temperature, info.reasoning_budget,
+            info.stream) == ("claude-ish", 4096, True, 0.2, 3000, False)
+
+
+# --- OpenAI Responses --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("status", "reason", "terminal", "expected"), [
+    ("completed", None, None, "eos"),
+    ("incomplete", "max_output_tokens", None, "length"),
+    ("incomplete", "max_output_tokens", "response.completed", "length"),  # vLLM 0.32's way
+    ("incomplete", "content_filter", None, "content_filter"),
+    ("incomplete", "something_new", None, "unknown"),
+])
+def test_responses_terminal_status_decides(status: str, reason: str | None, terminal: str | None,
+                                           expected: str) -> None:
+    found = all_events(responses.events, responses_stream(2, status, reason=reason, terminal=terminal))
+    (finish,) = finishes(found)
+    assert finish.stop == expected
+    assert Usage(9, 2, 0) in found
+
+
+def test_responses_failed_is_an_error_event() -> None:
+    found = all_events(responses.events, responses_stream(2, "failed"))
+    assert ErrorEvent("the engine failed", "server_error") in found and not finishes(found)
+
+
+def test_responses_reasoning_and_tool_deltas() -> None:
+    found = all_events(responses.events, responses_stream(3, reasoning=4, tool=True))
+    assert found.count(ONE_REASONING_TOKEN) == 4 and found.count(ONE_TOKEN) == 3
+    assert finishes(found)[0].stop == "tool_calls"
+    assert Usage(9, 7, 4) in found
+
+
+def test_responses_completed_without_incomplete_details_proves_nothing() -> None:
+    """llama.cpp's server says `completed` when max_output_tokens or the context runs out, too."""
+    (finish,) = finishes(all_events(responses.events, responses_stream(2)))
+    assert not finish.limit_blind
+    (finish,) = finishes(all_events(responses.events, responses_stream(2, llamacpp=True)))
+    assert finish.limit_blind
+
+
+def test_responses_error_event_and_non_streaming_body() -> None:
+    assert responses.events({"type": "error", "code": "rate_limit", "message": "slow down"}) == [
+        ErrorEvent("slow down", "rate_limit")]
+    found = responses.events(orjson.loads(responses_body(5, "incomplete", reason="max_output_tokens", reasoning=3)))
+    assert finishes(found)[0].stop == "length" and Usage(9, 8, 3) in found
+
+
+def test_responses_request_fields() -> None:
+    info = read_request(responses.DIALECT, b'{"model":"m","input":"hi","max_output_tokens":32,"stream":true}')
+    assert (info.model, info.requested_max_tokens, info.stream) == ("m", 32, True)
+
+
+@pytest.mark.parametrize("name", ["openai", "ollama", "llamacpp", "anthropic", "responses"])
+def test_no_dialect_raises_anything_but_value_errors_on_odd_shapes(name: str) -> None:
+    events = dialect_named(name).events
+    for odd in ({}, {"choices": "x"}, {"type": "content_block_delta", "delta": 3}, {"message": []},
+                {"type": "response.completed", "response": []}, {"done": True, "done_reason": None}):
+        events(odd)
+    with pytest.raises(ValueError):
+        events([1, 2])
+
+
+def test_token_deltas_are_shared_instances() -> None:
+    assert TokenDelta(1) == ONE_TOKEN and TokenDelta(1, reasoning=True) == ONE_REASONING_TOKEN

@@ -1,0 +1,158 @@
+"""The Recorder on its own: bytes and endings in, one classified record out; no network, no clock."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.record import ResponseRecord
+from proxy.recorder import Recorder
+from tests.support.wire import (
+    anthropic_stream,
+    chat_chunk,
+    ollama_line,
+    ollama_stream,
+    openai_completion,
+    openai_stream,
+    responses_stream,
+    sse,
+)
+
+SSE = "text/event-stream; charset=utf-8"
+CHAT_BODY = orjson.dumps({"model": "m", "messages": [], "stream": True, "max_tokens": 64})
+
+
+def recorded(path: str, body: bytes | None, chunks: list[bytes], content_type: str = SSE, status: int = 200,
+             step: float = 0.01) -> ResponseRecord:
+    """Feed one whole exchange, chunk i arriving at i * step seconds after the start."""
+    recorder = Recorder.start("r1", "POST", path, started=0.0)
+    recorder.request_body(body)
+    recorder.response_head(status, content_type)
+    for i, chunk in enumerate(chunks, start=1):
+        recorder.chunk(chunk, i * step)
+    return recorder.finish((len(chunks) + 1) * step)
+
+
+def test_a_stream_becomes_a_classified_record() -> None:
+    record = recorded("/v1/chat/completions", CHAT_BODY, openai_stream(10, "length", usage=True))
+    assert (record.dialect, record.route, record.model, record.stream, record.requested_max_tokens) == (
+        "openai", "/v1/chat/completions", "m", True, 64)
+    assert (record.stop_reason, record.length_cause, record.output_tokens, record.tokens_source) == (
+        "length", "server_limit", 10, "usage")
+    assert record.ttft_s == pytest.approx(0.02)  # the role chunk carries no token
+    assert record.itl_mean_s == pytest.approx(0.01) and record.duration_s == pytest.approx(0.15)
+    assert record.bytes_out == sum(len(c) for c in openai_stream(10, "length", usage=True))
+
+
+def test_a_non_streaming_answer_has_no_time_to_first_token() -> None:
+    record = recorded("/v1/chat/completions", CHAT_BODY.replace(b"true", b"false"), [openai_completion(5)],
+                      content_type="application/json")
+    assert (record.stop_reason, record.output_tokens) == ("eos", 5)
+    assert record.ttft_s is None and record.itl_mean_s is None
+
+
+def test_a_reasoning_heavy_budget_stop_without_usage_is_the_requested_budget() -> None:
+    """vLLM sends thinking in `delta.reasoning`: counted, it is part of the budget spent."""
+    chunks = [sse(chat_chunk("", role=True))]
+    for i in range(60):
+        chunk = chat_chunk()
+        chunk["choices"][0]["delta"] = {"reasoning": f"hm{i} "}
+        chunks.append(sse(chunk))
+    chunks += [sse(chat_chunk(f"a{i}")) for i in range(3)]
+    chunks += [sse(chat_chunk("b", "length")), b"data: [DONE]\n\n"]
+    record = recorded("/v1/chat/completions", CHAT_BODY, chunks)
+    assert (record.output_tokens, record.tokens_source, record.reasoning_tokens, record.visible_tokens) == (
+        64, "counted", 60, 4)
+    assert (record.stop_reason, record.length_cause) == ("length", "requested_budget")
+    assert record.reasoning_share == pytest.approx(60 / 64) and record.budget_mostly_reasoning
+
+
+def test_the_servers_reasoning_count_wins_over_the_counted_one() -> None:
+    chunks = anthropic_stream(5, "max_tokens", thinking=3)
+    body = orjson.dumps({"model": "m", "max_tokens": 8, "stream": True, "messages": []})
+    record = recorded("/v1/messages", body, chunks)
+    assert (record.output_tokens, record.tokens_source, record.reasoning_tokens, record.length_cause) == (
+        8, "usage", 3, "requested_budget")  # Anthropic gives no reasoning count: the thinking deltas
+    chunks = responses_stream(2, "incomplete", reason="max_output_tokens", reasoning=30)
+    body = orjson.dumps({"model": "m", "input": "x", "max_output_tokens": 32, "stream": True})
+    record = recorded("/v1/responses", body, chunks)
+    assert (record.output_tokens, record.reasoning_tokens, record.visible_tokens) == (32, 30, 2)
+    assert record.budget_mostly_reasoning
+
+
+def test_ollama_queue_time_carries_no_floating_point_noise() -> None:
+    final = orjson.loads(ollama_stream(0)[-1])
+    # 0.3 + 0.1 + 0.2 is 0.6000000000000001 in floating point: total minus the parts is -1e-16, not 0
+    final.update(total_duration=600_000_000, load_duration=300_000_000, prompt_eval_duration=100_000_000,
+                 eval_duration=200_000_000)
+    record = recorded("/api/chat", b'{"model":"m"}', [ollama_line(final)], content_type="application/x-ndjson")
+    assert record.queue_time_s == 0.0 and record.queue_time_source == "server_durations"
+
+
+def test_a_refused_connection_is_an_upstream_error_with_the_proxys_status() -> None:
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(CHAT_BODY)
+    recorder.no_answer("connect", "cannot connect to http://127.0.0.1:9", 502)
+    record = recorder.finish(0.5)
+    assert (record.status, record.stop_reason, record.upstream_error) == (502, "upstream_error", "connect")
+    assert record.output_tokens is None and record.duration_s == 0.5
+
+
+def test_a_body_cut_midway_is_an_upstream_disconnect_with_what_arrived() -> None:
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(CHAT_BODY)
+    recorder.response_head(200, SSE)
+    for i, chunk in enumerate(openai_stream(5)[:4]):
+        recorder.chunk(chunk, 0.1 * i)
+    recorder.upstream_broke("reset")
+    record = recorder.finish(1.0)
+    assert (record.stop_reason, record.upstream_error, record.output_tokens) == ("upstream_disconnect", "reset", 3)
+
+
+def test_a_client_gone_mid_stream_and_enforced_and_observed_deadlines() -> None:
+    recorder = Recorder.start("r1", "POST", "/api/chat", started=0.0)
+    recorder.request_body(b'{"model":"m"}')
+    recorder.response_head(200, "application/x-ndjson")
+    recorder.chunk(ollama_stream(3)[0], 0.1)
+    recorder.client_left()
+    record = recorder.finish(0.2)
+    assert (record.stop_reason, record.client_disconnected, record.disconnect_phase) == (
+        "client_disconnect", True, "mid_stream")
+    recorder = Recorder.start("r2", "POST", "/api/chat", started=0.0)
+    recorder.deadline_enforced("idle", status=504)
+    record = recorder.finish(5.0)
+    assert (record.stop_reason, record.status, record.deadline_hit, record.deadline_mode) == (
+        "idle_timeout", 504, "idle", "enforce")
+    recorder = Recorder.start("r3", "POST", "/api/chat", started=0.0)
+    recorder.response_head(200, "application/x-ndjson")
+    for chunk in ollama_stream(2):
+        recorder.chunk(chunk, 0.1)
+    recorder.deadline_observed("total")
+    record = recorder.finish(9.0)
+    assert (record.stop_reason, record.deadline_hit, record.deadline_mode) == ("eos", "total", "observe")
+
+
+def test_a_route_that_is_no_generation_still_reads_its_error_body() -> None:
+    record = recorded("/v1/models", None, [b'{"error": {"message": "nope", "type": "x"}}'],
+                      content_type="application/json", status=500)
+    assert (record.route, record.dialect, record.stop_reason) == ("other", "none", "upstream_error")
+    assert record.upstream_error_detail == "HTTP 500: nope"
+    record = recorded("/v1/models", None, [b'{"data": []}'], content_type="application/json")
+    assert record.stop_reason == "not_inference" and not record.parse_error
+
+
+def test_a_request_body_too_large_to_read_is_noted_and_the_record_still_made() -> None:
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(None, "request body over the 10-byte parse cap: not parsed")
+    recorder.response_head(200, SSE)
+    for chunk in openai_stream(2):
+        recorder.chunk(chunk, 0.1)
+    record = recorder.finish(0.2)
+    assert record.model is None and record.stop_reason == "eos"
+
+
+def test_concurrency_is_what_the_caller_says() -> None:
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.concurrency(3, 7, 4.5)
+    record = recorder.finish(1.0)
+    assert (record.concurrency_at_start, record.concurrency_peak, record.concurrency_mean) == (3, 7, 4.5)
