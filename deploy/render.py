@@ -161,7 +161,9 @@ def panels() -> list[dict[str, Any]]:
                (f"sum by (kind, mode) (increase(llm_proxy_deadline_hits_total{{{INST}}}{W}))",
                 "deadline {{kind}} ({{mode}})")]),
         panel("timeseries", "Upstream errors and rejections", "Upstream failures per interval by kind (oom: "
-              "out of memory; http_status: an HTTP error other than 429/503), requests the server refused "
+              "out of memory; context_exhausted: the KV cache / context ran out, a pool the requests share; "
+              "exceeds_context: a request larger than the context one request gets; http_status: an HTTP "
+              "error other than 429/503), requests the server refused "
               "(429/503: load shedding) and responses the parser could not fully read. Records: "
               "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
               (12, 49, 12, 8),

@@ -3,8 +3,8 @@
 Nothing here guesses, and nothing here knows a dialect: each dialect has already read its own
 finish value into a canonical one (`events.Finish.stop`). Precedence, first match wins:
 connect failure > enforced deadline/idle timeout > client gone > 429/503/529 > other HTTP error
-> error event > upstream reset > the server's own finish reason > explicit end without one
-> stream cut with no final event.
+> error event > upstream reset > the server's own finish reason > a stream ended without one
+(interrupted) > a body without one > stream cut with no final event.
 """
 
 from __future__ import annotations
@@ -16,6 +16,20 @@ from proxy.events import ErrorEvent, Finish
 from proxy.record import LengthCause, StopReason, UpstreamErrorKind
 
 _OOM = re.compile(r"out of memory|\boom\b|cudaMalloc|failed to allocate|insufficient memory", re.IGNORECASE)
+# The servers' own words for a context that ran out, checked against their sources:
+# - the KV cache (a pool shared by the slots) filled up while generating: llama-server's
+#   "Context size has been exceeded." (tools/server/server-context.cpp, a failed decode);
+# - the request cannot fit the context one request gets: llama-server's
+#   `exceed_context_size_error` ("request (N tokens) exceeds the available context size (M
+#   tokens)", "input (N tokens) is larger than the max context size"), vLLM's "This model's
+#   maximum context length is N tokens" and "max_tokens=N cannot be greater than
+#   max_model_len=M", Ollama's "the input length exceeds the context length", OpenAI's
+#   `context_length_exceeded`.
+_CONTEXT_EXHAUSTED = re.compile(r"context size has been exceeded|kv cache is full|out of kv cache", re.IGNORECASE)
+_EXCEEDS_CONTEXT = re.compile(
+    r"exceeds the available context size|larger than the max context size|maximum context length"
+    r"|greater than max_model_len|input length exceeds the context length|context_length_exceeded"
+    r"|exceed_context_size_error|prompt is too long", re.IGNORECASE)
 # Statuses that mean "not now": rate limits, an unavailable server, Anthropic's 529 overloaded.
 REJECTED_STATUSES = frozenset({429, 503, 529})
 
@@ -40,6 +54,7 @@ class WireFacts:
     requested_max_tokens: int | None = None
     n: int | None = None
     stop_requested: bool = False
+    streamed: bool = False  # the body was a stream of events, not one JSON document
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +71,20 @@ class Diagnosis:
 def is_oom(message: str) -> bool:
     """True when an error text says the server ran out of (GPU) memory."""
     return _OOM.search(message) is not None
+
+
+def error_kind(error: ErrorEvent | None, fallback: UpstreamErrorKind) -> UpstreamErrorKind:
+    """What a server's error says ran out: the context (pool or per request), memory, or `fallback`."""
+    if error is None:
+        return fallback
+    said = f"{error.type or ''} {error.message}"
+    if _CONTEXT_EXHAUSTED.search(said):
+        return "context_exhausted"
+    if _EXCEEDS_CONTEXT.search(said):
+        return "exceeds_context"
+    if is_oom(error.message):
+        return "oom"
+    return fallback
 
 
 def length_cause(output_tokens: int | None, requested: int | None, n: int | None, *,
@@ -93,21 +122,24 @@ def classify(facts: WireFacts) -> Diagnosis:
         return Diagnosis("rejected", upstream_error_detail=_message(error))
     if status >= 400:
         message = _message(error)
-        kind: UpstreamErrorKind = "oom" if message and is_oom(message) else "http_status"
-        return Diagnosis("upstream_error", upstream_error=kind,
+        return Diagnosis("upstream_error", upstream_error=error_kind(error, "http_status"),
                          upstream_error_detail=f"HTTP {status}" + (f": {message}" if message else ""))
     if not facts.inference:
         return Diagnosis("not_inference")
     if error is not None:
-        kind = "oom" if is_oom(error.message) else "error_event"
-        return Diagnosis("upstream_error", upstream_error=kind, upstream_error_detail=error.message)
+        return Diagnosis("upstream_error", upstream_error=error_kind(error, "error_event"),
+                         upstream_error_detail=error.message)
     if facts.upstream_reset:
         return Diagnosis("upstream_disconnect", upstream_error="reset", upstream_error_detail=facts.error_detail)
     finish = facts.finish
     if finish is not None:
         return _finished(finish, facts)
+    if facts.done and facts.streamed and not facts.parse_failed:
+        # The server ended the stream itself ([DONE], message_stop) without saying why: llama-cpp-
+        # python's server does so to a running stream when another request queues.
+        return Diagnosis("interrupted")
     if facts.done or facts.parse_failed:
-        return Diagnosis("unknown")  # ended explicitly, or in bytes we could not read: no cause shown
+        return Diagnosis("unknown")  # a body without a reason, or bytes we could not read
     return Diagnosis("upstream_disconnect")
 
 

@@ -14,6 +14,7 @@ StopReason = Literal[
     "repetition",
     "client_disconnect",
     "upstream_disconnect",
+    "interrupted",
     "deadline",
     "idle_timeout",
     "upstream_error",
@@ -30,7 +31,8 @@ COMPLETE_STOP_REASONS = frozenset({"eos", "stop_sequence", "tool_calls"})
 REASONING_HEAVY_SHARE = 0.5
 
 LengthCause = Literal["requested_budget", "server_limit", "unknown"]
-UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort"]
+UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort",
+                            "context_exhausted", "exceeds_context"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
 DeadlineKind = Literal["none", "total", "idle"]
 

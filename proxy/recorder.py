@@ -203,7 +203,7 @@ class Recorder:
             enforced=self._enforced, finish=tally.finish, error=tally.error, done=tally.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
-            n=record.n, stop_requested=info.stop_requested))
+            n=record.n, stop_requested=info.stop_requested, streamed=tally.streaming))
         record.stop_reason = diagnosis.stop_reason
         record.stop_reason_certain = diagnosis.certain
         record.length_cause = diagnosis.length_cause

@@ -47,6 +47,27 @@ def test_oom_texts(text: str) -> None:
     assert is_oom(text)
 
 
+@pytest.mark.parametrize(("kind", "message", "expected"), [
+    ("server_error", "Context size has been exceeded.", "context_exhausted"),  # llama.cpp, a shared pool
+    ("exceed_context_size_error", "request (1163 tokens) exceeds the available context size (1024 tokens), "
+     "try increasing it", "exceeds_context"),  # llama.cpp, a prompt over the slot
+    ("exceed_context_size_error", "input (900 tokens) is larger than the max context size (512 tokens). "
+     "skipping", "exceeds_context"),
+    ("BadRequestError", "This model's maximum context length is 512 tokens. However, your prompt contains at "
+     "least 513 input tokens", "exceeds_context"),  # vLLM
+    ("BadRequestError", "max_tokens=600 cannot be greater than max_model_len=512. Please request fewer output "
+     "tokens.", "exceeds_context"),  # vLLM
+    (None, "the input length exceeds the context length", "exceeds_context"),  # Ollama
+    ("api_error", "CUDA out of memory", "oom"),
+    ("api_error", "something else", "error_event"),
+])
+def test_the_servers_words_for_a_context_that_ran_out(kind: str | None, message: str, expected: str) -> None:
+    diagnosis = classify(replace(BASE, error=ErrorEvent(message, kind)))
+    assert (diagnosis.stop_reason, diagnosis.upstream_error) == ("upstream_error", expected)
+    diagnosis = classify(replace(BASE, status=400, error=ErrorEvent(message, kind)))
+    assert diagnosis.upstream_error == ("http_status" if expected == "error_event" else expected)
+
+
 def test_not_every_error_is_oom() -> None:
     assert not is_oom("room temperature") and not is_oom("bad request")
 
@@ -65,7 +86,9 @@ PRECEDENCE = [
     (dict(error=ErrorEvent("boom"), upstream_reset=True), "upstream_error"),
     (dict(upstream_reset=True, finish=None, done=False), "upstream_disconnect"),
     (dict(finish=None, done=False), "upstream_disconnect"),
-    (dict(finish=None, done=True), "unknown"),
+    (dict(finish=None, done=True), "unknown"),  # a JSON body that says nothing
+    (dict(finish=None, done=True, streamed=True), "interrupted"),  # [DONE] without a finish reason
+    (dict(finish=None, done=True, streamed=True, parse_failed=True), "unknown"),
     (dict(finish=None, done=False, parse_failed=True), "unknown"),
 ]
 

@@ -170,3 +170,15 @@ def test_a_budget_spent_on_reasoning_is_named_in_the_verdict() -> None:
                for line in v.evidence), v.evidence
     assert "goes mostly to reasoning" in v.recommendation
     assert summaries[0].reasoning_heavy == 3 and "95%" in render(summaries)
+
+
+def test_answers_past_the_servers_context_are_named_a_context_shift() -> None:
+    from proxy.sweep.server_info import ServerInfo
+    from proxy.sweep.stats import by_level, summarize
+    from tests.support.sweep_samples import level
+
+    samples = level(1, 3, prompt_tokens=200, tokens=100) + level(4, 6, prompt_tokens=200, tokens=100)
+    v = decide(summarize(samples), by_level(samples), server=ServerInfo("llama.cpp GET /props", 256, 1))
+    assert v.kind == "no_load_effect"
+    assert any("9 of 9 answers ran past the 256-token context the server says a request gets (prompt + output "
+               "up to 300): it shifted the context" in line for line in v.evidence), v.evidence

@@ -17,6 +17,7 @@ from proxy.sweep import export, table
 from proxy.sweep.progress import ProgressBar
 from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepError, SweepPlan, run_sweep
 from proxy.sweep.sample import Sample
+from proxy.sweep.server_info import ServerInfo
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import Verdict, decide
 
@@ -125,12 +126,14 @@ class SweepOutcome:
     summaries: list[LevelSummary]
     verdict: Verdict
     written: list[Path]
+    server: ServerInfo | None = None
 
 
-def analyse(samples: Sequence[Sample], plan: SweepPlan) -> tuple[list[LevelSummary], Verdict]:
+def analyse(samples: Sequence[Sample], plan: SweepPlan,
+            server: ServerInfo | None = None) -> tuple[list[LevelSummary], Verdict]:
     """Per-level summaries and the verdict of a finished sweep (pure)."""
     summaries = summarize(samples)
-    verdict = decide(summaries, by_level(samples), client_timeout_s=plan.timeout_s or None)
+    verdict = decide(summaries, by_level(samples), client_timeout_s=plan.timeout_s or None, server=server)
     return summaries, verdict
 
 
@@ -140,26 +143,28 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     out = stdout if stdout is not None else sys.stdout
     bar = ProgressBar(plan.total, enabled=progress)
     try:
-        samples = await run_sweep(plan, on_level_start=bar.start_level, on_done=bar.advance,
-                                  on_level_done=bar.level_done)
+        run = await run_sweep(plan, on_level_start=bar.start_level, on_done=bar.advance,
+                              on_level_done=bar.level_done)
     except SweepError as exc:
         raise CliError(str(exc)) from None
     finally:
         bar.close()
-    summaries, verdict = analyse(samples, plan)
+    samples = run.samples
+    summaries, verdict = analyse(samples, plan, run.server)
+    described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None}
     written: list[Path] = []
     try:
         if out_dir is not None:
             directory = Path(out_dir)
             directory.mkdir(parents=True, exist_ok=True)
             json_path, csv_path = directory / "sweep.json", directory / "sweep.csv"
-            json_path.write_bytes(export.sweep_json(plan.to_dict(), summaries, verdict, samples))
+            json_path.write_bytes(export.sweep_json(described, summaries, verdict, samples))
             csv_path.write_text(export.sweep_csv(samples), encoding="utf-8")
             written += [json_path, csv_path]
         if report_path is not None:
             from proxy.sweep import report  # imported late: plotly is only needed here
 
-            page = report.render(summaries, by_level(samples), verdict, plan.to_dict())
+            page = report.render(summaries, by_level(samples), verdict, described)
             path = Path(report_path)
             path.write_text(page, encoding="utf-8")
             written.append(path)
@@ -168,6 +173,7 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     joined = sum(s.joined for s in summaries)
     source = (f"records joined from the proxy: {joined} of {len(samples)}" if plan.admin
               else "no --admin: stop reasons come from the sweep's own parse of each stream")
+    source = "; ".join([source, *run.notes])
     notes = [s.join_note for s in samples if s.join_note]
     if notes:
         source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
@@ -176,7 +182,7 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     if written:
         out.write("wrote " + ", ".join(str(p) for p in written) + "\n")
     out.flush()
-    return SweepOutcome(list(samples), summaries, verdict, written)
+    return SweepOutcome(list(samples), summaries, verdict, written, run.server)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import aiohttp
@@ -23,6 +23,7 @@ import orjson
 from proxy.record import ResponseRecord
 from proxy.recorder import Recorder
 from proxy.sweep.sample import ClientMeasure, Sample
+from proxy.sweep.server_info import ServerInfo, read_server_info
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
 SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]
@@ -32,6 +33,7 @@ PROBE_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
 JOIN_RETRY_S = 0.05
 RECORD_FIELDS = frozenset(f.name for f in fields(ResponseRecord))
+REQUEST_ID = "X-Request-Id"
 
 
 class SweepError(Exception):
@@ -92,9 +94,14 @@ def request_body(plan: SweepPlan) -> bytes:
 
 
 async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, request_id: str,
-                   level: int, index: int, in_flight: int) -> Sample:
+                   level: int, index: int, in_flight: int, *, send_id: bool = True) -> Sample:
     """Send one streaming request and read it from the client's side, with the proxy's own
-    Recorder, so that its record is classified exactly as the proxy would; never raises."""
+    Recorder, so that its record is classified exactly as the proxy would; never raises.
+
+    The request carries `request_id` in X-Request-Id (a UUID: servers such as llama-cpp-python's
+    refuse anything else) unless `send_id` is False; either way, the id a proxy answers with in
+    X-Request-Id is the one its record is joined by.
+    """
     recorder = Recorder.start(request_id, "POST", plan.path)
     recorder.request_body(body)
     recorder.concurrency(in_flight, in_flight, float(in_flight))
@@ -103,9 +110,13 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     error: str | None = None
     try:
         async with asyncio.timeout(plan.timeout_s or None):
-            async with session.post(plan.target + plan.path, data=body, headers={
-                    "Content-Type": "application/json", "X-Request-Id": request_id}) as response:
+            headers = {"Content-Type": "application/json"}
+            if send_id:
+                headers[REQUEST_ID] = request_id
+            async with session.post(plan.target + plan.path, data=body, headers=headers) as response:
                 status = response.status
+                request_id = response.headers.get(REQUEST_ID) or request_id
+                recorder.record.request_id = request_id
                 # aiohttp has already undone any Content-Encoding, so the parser sees plain bytes.
                 recorder.response_head(status, response.headers.get("Content-Type", ""))
                 async for chunk in response.content.iter_any():
@@ -132,7 +143,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     return Sample(level, index, request_id, record, "client", measure)
 
 
-async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int, run_id: str,
+async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int, *, send_id: bool = True,
                     on_done: Callable[[], None] = lambda: None) -> list[Sample]:
     """Closed loop at one level: `level` slots, each replacing its finished request at once."""
     body = request_body(plan)
@@ -145,8 +156,8 @@ async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int,
         nonlocal in_flight
         while (index := next(counter)) < total:
             in_flight += 1
-            request_id = f"sweep-{run_id}-c{level}-{index:04d}"
-            sample = await send_one(session, plan, body, request_id, level, index, in_flight)
+            sample = await send_one(session, plan, body, str(uuid.uuid4()), level, index, in_flight,
+                                    send_id=send_id)
             in_flight -= 1
             samples.append(sample)
             on_done()
@@ -204,34 +215,64 @@ async def probe(session: aiohttp.ClientSession, url: str, what: str, headers: di
         raise SweepError(f"cannot reach the {what} at {url}: {reason}") from None
 
 
+@dataclass(slots=True)
+class SweepRun:
+    """What a sweep brought back: the responses, what the server says of its context, and notes."""
+
+    samples: list[Sample]
+    server: ServerInfo | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+async def warm_up(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, notes: list[str]) -> bool:
+    """The unrecorded first requests; returns whether requests may carry X-Request-Id.
+
+    A refused connection ends the sweep. A 4xx that is not about the context means the request
+    itself is wrong (model, dialect): one line, with the server's own reason. A server that refuses
+    only the X-Request-Id header is swept without it, joined by the id the proxy answers with. A
+    request too large for the server's context is no mistake of the flags but a finding: the
+    sweep goes on, and the verdict reports it.
+    """
+    send_id = True
+    for number in range(plan.warmup):
+        warm = await send_one(session, plan, body, str(uuid.uuid4()), 0, number, 1, send_id=send_id)
+        record = warm.record
+        if record.upstream_error == "connect":
+            raise SweepError(f"cannot reach the target at {plan.target}: {warm.client.error}")
+        status = record.status or 0
+        if not (400 <= status < 500 and status not in (408, 429)) or record.upstream_error == "exceeds_context":
+            continue
+        if send_id:
+            retry = await send_one(session, plan, body, str(uuid.uuid4()), 0, number, 1, send_id=False)
+            if (retry.record.status or 0) < 400:
+                send_id = False
+                notes.append(f"the target refused requests carrying X-Request-Id (HTTP {status}); sent without "
+                             "it, records joined by the id the proxy answered with")
+                continue
+        reason = record.upstream_error_detail or f"HTTP {status} with no reason given"
+        raise SweepError(f"the target refused the sweep's request (POST {plan.target}{plan.path}): "
+                         f"{reason[:200]}; check --model and --dialect")
+    return send_id
+
+
 async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = lambda level: None,
                     on_done: Callable[[], None] = lambda: None,
                     on_level_done: Callable[[int, int, float], None] = lambda level, n, s: None,
-                    ) -> list[Sample]:
+                    ) -> SweepRun:
     """Every level in order, after `warmup` unrecorded requests (a model load must not count)."""
-    run_id = uuid.uuid4().hex[:8]
     connector = aiohttp.TCPConnector(limit=max(plan.levels), force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await probe(session, plan.target + "/", "target", {})
         if plan.admin is not None:
             await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
-        body = request_body(plan)
-        for number in range(plan.warmup):
-            warm = await send_one(session, plan, body, f"sweep-{run_id}-warmup-{number}", 0, number, 1)
-            if warm.record.upstream_error == "connect":
-                raise SweepError(f"cannot reach the target at {plan.target}: {warm.client.error}")
-            status = warm.record.status or 0
-            if 400 <= status < 500 and status not in (408, 429):  # the request itself is wrong
-                detail = (warm.record.upstream_error_detail or f"HTTP {status}")[:200]
-                raise SweepError(f"the target refused the sweep's request (POST {plan.target}{plan.path}): "
-                                 f"{detail}; check --model and --dialect")
-        samples: list[Sample] = []
+        run = SweepRun([], await read_server_info(session, plan.target, plan.model))
+        send_id = await warm_up(session, plan, request_body(plan), run.notes)
         for level in plan.levels:
             on_level_start(level)
             t0 = time.monotonic()
-            level_samples = await run_level(session, plan, level, run_id, on_done)
+            level_samples = await run_level(session, plan, level, send_id=send_id, on_done=on_done)
             await join_records(session, plan, level_samples)
             on_level_done(level, len(level_samples), time.monotonic() - t0)
-            samples.extend(level_samples)
-        return samples
+            run.samples.extend(level_samples)
+        return run

@@ -40,10 +40,17 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+CONTEXT_ERRORS = frozenset({"context_exhausted", "exceeds_context"})
+
+
 def stop_label(record: ResponseRecord) -> str:
-    """The stop reason, with `length` split by its cause: `length:server_limit`, `length:requested_budget`."""
-    if record.stop_reason == "length" and record.length_cause in ("server_limit", "requested_budget"):
+    """The stop reason, with `length` split by its cause (`length:server_limit`,
+    `length:requested_budget`, `length:unknown`) and a context error named
+    (`upstream_error:context_exhausted`, `upstream_error:exceeds_context`)."""
+    if record.stop_reason == "length" and record.length_cause is not None:
         return f"length:{record.length_cause}"
+    if record.stop_reason == "upstream_error" and record.upstream_error in CONTEXT_ERRORS:
+        return f"upstream_error:{record.upstream_error}"
     return record.stop_reason
 
 
@@ -155,7 +162,7 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         output_tokens_q3=_must(quantile(tokens, 0.75)),
         output_tokens_mean=_must(mean(tokens)),
         requested_max_tokens=budgets.most_common(1)[0][0] if budgets else None,
-        tokens_counted=sum(1 for r in records if r.tokens_source == "counted"),
+        tokens_counted=sum(1 for r in records if r.tokens_source == "counted" and (r.output_tokens or 0) > 0),
         complete=complete,
         completion_rate=complete / len(records),
         stop_counts=dict(Counter(stop_label(r) for r in records).most_common()),

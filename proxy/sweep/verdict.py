@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
+from proxy.sweep.limits import CONTEXT_SLACK, characterise
 from proxy.sweep.sample import Sample
+from proxy.sweep.server_info import ServerInfo
 from proxy.sweep.stats import (
     Interval,
     LevelSummary,
@@ -77,8 +79,32 @@ class Verdict:
 
 
 def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]], *,
-           client_timeout_s: float | None = None) -> Verdict:
-    """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level."""
+           client_timeout_s: float | None = None, server: ServerInfo | None = None) -> Verdict:
+    """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level;
+    `server` is what the server says of its context, to name a length limit by its number."""
+    verdict = _decide(summaries, groups, client_timeout_s, server)
+    shifted = _context_shift_line([s.record for samples in groups.values() for s in samples], server)
+    return replace(verdict, evidence=(*verdict.evidence, shifted)) if shifted else verdict
+
+
+def _context_shift_line(records: Sequence[ResponseRecord], server: ServerInfo | None) -> str | None:
+    """Answers longer than the context the server says a request gets: it shifted the context (dropped
+    the oldest tokens to go on), which llama-server reports only on /completion (`truncated`)."""
+    if server is None or server.context_per_request is None:
+        return None
+    limit = server.context_per_request + CONTEXT_SLACK
+    sums = [r.prompt_tokens + r.output_tokens for r in records
+            if r.prompt_tokens is not None and r.output_tokens is not None]
+    past = [total for total in sums if total > limit]
+    if not past:
+        return None
+    return (f"{len(past)} of {len(records)} answers ran past the {server.context_per_request:,}-token context the "
+            f"server says a request gets (prompt + output up to {max(past):,}): it shifted the context, dropping "
+            "the oldest tokens, which a chat route does not report")
+
+
+def _decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]],
+            client_timeout_s: float | None, server: ServerInfo | None) -> Verdict:
     if len(summaries) < 2 or summaries[0].n < 2:
         return Verdict("insufficient_data", "too few levels or responses to compare", None, None, False,
                        (f"{len(summaries)} level(s), {summaries[0].n if summaries else 0} response(s) "
@@ -89,12 +115,12 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
                                            [float(output_tokens(s.record)) for s in groups[top.level]])
     latency = _latency_line(base, top)
     if base.completion_rate < BASELINE_MIN_COMPLETION:
-        return _baseline_truncation(base, groups[base.level], latency, client_timeout_s)
+        return _baseline_truncation(base, groups[base.level], latency, client_timeout_s, server)
     onset = next((s for s in summaries[1:]
                   if base.completion_rate - s.completion_rate >= COMPLETION_DROP
                   and s.n - s.complete >= MIN_CUT), None)
     if onset is not None:
-        return _truncation(summaries, groups, onset, difference, latency, client_timeout_s)
+        return _truncation(summaries, groups, onset, difference, latency, client_timeout_s, server)
     length_onset = _length_onset(summaries, groups)
     if length_onset is not None:
         return _length_fall(summaries, groups, length_onset, latency)
@@ -111,10 +137,12 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
 
 
 def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency: str,
-                         client_timeout_s: float | None) -> Verdict:
+                         client_timeout_s: float | None, server: ServerInfo | None) -> Verdict:
     causes = Counter(stop_label(s.record) for s in samples if not is_complete(s.record))
     cause, count = causes.most_common(1)[0]
-    detail = _cause_detail(cause, [s for s in samples if stop_label(s.record) == cause], client_timeout_s)
+    cut = [s for s in samples if stop_label(s.record) == cause]
+    words, explained, remedy = _cause_words(cause, cut, server, {base.level: cut})
+    detail = [*explained, *_cause_detail(cause, cut, client_timeout_s)]
     if cause == "length:requested_budget" and any(s.record.budget_mostly_reasoning for s in samples):
         advice = (f"the budget of {base.requested_max_tokens} tokens goes mostly to reasoning: raise "
                   "--max-tokens (or lower the reasoning effort) so answers can end on their own; only then "
@@ -122,11 +150,14 @@ def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency:
     elif cause == "length:requested_budget":
         advice = (f"raise --max-tokens above {base.requested_max_tokens} so answers can end on their "
                   "own; only then can the completion rate show a load effect")
+    elif remedy is not None:
+        advice = f"{remedy}; it happens already at concurrency {base.level}: it is not a load effect"
     else:
         advice = f"fix '{cause}' at concurrency {base.level} first: it is not a load effect"
     return Verdict(
         "baseline_truncation",
-        f"already at concurrency {base.level} only {_pct(base.completion_rate)} of answers completed",
+        f"already at concurrency {base.level} only {_pct(base.completion_rate)} of answers completed: "
+        f"{words}",
         cause, base.level, False,
         (f"{count} of {base.n} responses at concurrency {base.level} ended with {cause}", *detail, latency),
         advice)
@@ -134,7 +165,7 @@ def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency:
 
 def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]],
                 onset: LevelSummary, difference: Interval | None, latency: str,
-                client_timeout_s: float | None) -> Verdict:
+                client_timeout_s: float | None, server: ServerInfo | None) -> Verdict:
     affected = [s for s in summaries if s.level >= onset.level]
     causes: Counter[str] = Counter()
     for summary in affected:
@@ -147,7 +178,10 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
              f"({_pct(count / total_cut)})")
     cut_samples = [s for summary in affected for s in groups[summary.level]
                    if stop_label(s.record) == cause]
-    evidence = [_completion_line(summaries), f"dominant cause {cause}: {share}",
+    by_level_cut = {summary.level: [s for s in groups[summary.level] if stop_label(s.record) == cause]
+                    for summary in affected}
+    words, explained, remedy = _cause_words(cause, cut_samples, server, by_level_cut)
+    evidence = [_completion_line(summaries), f"dominant cause {cause}: {share}", *explained,
                 *_cause_detail(cause, cut_samples, client_timeout_s), latency]
     others = [f"{k} {v}" for k, v in causes.most_common()[1:]]
     if others:
@@ -162,9 +196,55 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
     return Verdict(
         "serving_defect",
         f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
-        f"of {onset.requested_max_tokens or 'unknown'} tokens", cause, onset.level, False, tuple(evidence),
-        f"a serving defect: fix '{cause}' under load (it starts at concurrency {onset.level}); until then "
-        f"keep concurrency below {onset.level}", difference)
+        f"of {onset.requested_max_tokens or 'unknown'} tokens: {words}", cause, onset.level, False,
+        tuple(evidence),
+        f"a serving defect: {remedy or f'fix {cause!r} under load'} (it starts at concurrency {onset.level}); "
+        f"until then keep concurrency below {onset.level}", difference)
+
+
+# Each cause in the words an operator acts on; a length limit is characterised from its records.
+CAUSE_WORDS: dict[str, str] = {
+    "upstream_error:context_exhausted": "the KV cache / context ran out (a pool the requests share)",
+    "upstream_error:exceeds_context": "the request does not fit the context one request gets",
+    "interrupted": "the server interrupted running streams (ended without a final event), as "
+                   "llama-cpp-python's server does to one when another request queues",
+    "upstream_disconnect": "the upstream connection broke mid-answer",
+    "upstream_error": "the server failed the request (see the error kinds)",
+    "repetition": "the server cut answers it judged repeating",
+    "length:requested_budget": "answers ran into the client's own budget",
+    "length:unknown": "length stops whose cause the counted tokens cannot tell (no usage from the server)",
+}
+
+
+# What to do about each, where the cause says it (a length limit: by what it turned out to be).
+CAUSE_ADVICE: dict[str, str] = {
+    "context": "give each request more context: raise the server's context (llama.cpp --ctx-size, vLLM "
+               "--max-model-len, Ollama num_ctx) or split it over fewer parallel slots",
+    "clamp": "the server or a gateway lowers the budget: find that cap (a max_tokens default or limit) and raise it",
+    "load_clamp": "the server trims budgets to its free KV cache: add KV capacity, or lower the concurrency",
+    "upstream_error:context_exhausted": "the KV pool the requests share runs out: give it more context, give "
+                                        "each slot a fixed share (no --kv-unified), or lower the concurrency",
+    "upstream_error:exceeds_context": "shorten the prompts, or raise the context one request gets",
+    "interrupted": "the server ends a running stream when another request queues (llama-cpp-python's "
+                   "interrupt_requests): turn that off (--interrupt_requests false) or serve one at a time",
+}
+
+
+def _cause_words(cause: str, samples: Sequence[Sample], server: ServerInfo | None,
+                 by_level_cut: Mapping[int, Sequence[Sample]]) -> tuple[str, list[str], str | None]:
+    """The cause in an operator's words, what the records (and the server) show of it, and advice."""
+    if cause == "length:server_limit":
+        found = characterise([s.record for s in samples], server,
+                             [(level, [s.record for s in cut]) for level, cut in by_level_cut.items()])
+        return found.words, list(found.evidence), CAUSE_ADVICE.get(found.kind)
+    advice = CAUSE_ADVICE.get(cause)
+    if cause == "upstream_error:exceeds_context" and server is not None and server.context_per_request:
+        return (f"the request does not fit the context one request gets ({server.context_per_request:,} "
+                f"tokens{', ' + str(server.slots) + ' slots' if server.slots else ''}, {server.source})", [],
+                advice)
+    if cause == "upstream_error:context_exhausted" and server is not None:
+        return CAUSE_WORDS[cause], [f"the server says {server.describe()}"], advice
+    return CAUSE_WORDS.get(cause, cause), [], advice
 
 
 def _policy_name(cause: str, client_timeout_s: float | None) -> str:
@@ -214,7 +294,7 @@ def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float
     if cause == "rejected":
         statuses = Counter(str(r.status) for r in records)
         return ["HTTP statuses: " + ", ".join(f"{k} x{v}" for k, v in statuses.most_common())]
-    if cause == "upstream_error":
+    if cause.startswith("upstream_error"):
         kinds = Counter(r.upstream_error or "?" for r in records)
         detail = _mode([r.upstream_error_detail for r in records if r.upstream_error_detail] or ["-"])
         return ["error kinds: " + ", ".join(f"{k} x{v}" for k, v in kinds.most_common())

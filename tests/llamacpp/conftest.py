@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.llamacpp import llama_cpp_python_server
+from tests.llamacpp.llama_cpp_python_server import LlamaCppPythonServer
 from tests.llamacpp.llama_server import BINARY, LlamaServer, binary_available
 
 SKIP_REASON = (
@@ -38,6 +40,11 @@ SERVER_FIXTURES = frozenset({
     "tiny_model", "eos_model", "split_server", "long_server", "eos_single_server", "eos_split_server",
     "eos_unified_server",
 })
+PYTHON_SERVER_FIXTURES = frozenset({"python_server", "python_eos_server"})
+PYTHON_SKIP_REASON = (
+    f"llama-cpp-python's server not installed at {llama_cpp_python_server.PYTHON}: run "
+    "`bash tools/build_llama_server.sh && bash tools/setup_llama_cpp_python.sh` (it loads that build's libllama)"
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,11 +54,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """
     here = Path(__file__).parent
     missing = not binary_available()
+    python_missing = not llama_cpp_python_server.available()
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.llamacpp)
-            if missing and SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            fixtures = set(getattr(item, "fixturenames", ()))
+            if missing and SERVER_FIXTURES & fixtures:
                 item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+            elif python_missing and PYTHON_SERVER_FIXTURES & fixtures:
+                item.add_marker(pytest.mark.skip(reason=PYTHON_SKIP_REASON))
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +120,27 @@ def eos_split_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) 
 def eos_unified_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
     """Answers end on their own; 4 slots drawing on one 512-token pool: one answer fits, two do not."""
     yield from _server(tmp_path_factory, eos_model, "eos-unified", EOS_UNIFIED_CTX, 4, "--kv-unified")
+
+
+def _python_server(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str) -> Iterator[LlamaCppPythonServer]:
+    server = LlamaCppPythonServer(model)
+    server.start(tmp_path_factory.mktemp("llama-cpp-python") / f"{name}.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def python_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LlamaCppPythonServer]:
+    """llama-cpp-python's server, its default interrupt_requests on; the model never samples EOS."""
+    yield from _python_server(tmp_path_factory, tiny_model, "python")
+
+
+@pytest.fixture(scope="session")
+def python_eos_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaCppPythonServer]:
+    """The same, with answers that end on their own after 40 characters."""
+    yield from _python_server(tmp_path_factory, eos_model, "python-eos")
 
 
 @pytest.fixture

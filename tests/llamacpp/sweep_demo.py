@@ -4,6 +4,8 @@ The model ends every answer with EOS after 40 characters (41 tokens). Three geom
 512-token slot (all fit, they queue); 1024 split into 4 slots of 256 (a 227-token prompt: no
 answer fits); 4 slots in a unified 512-token pool (a 403-token prompt: one answer fits, a
 second prompt beside it does not).
+A prompt larger than a slot is refused at every level; llama-cpp-python's own server (when
+tools/setup_llama_cpp_python.sh has run) interrupts a running stream when another queues.
 Run after `bash tools/build_llama_server.sh`: `python -m tests.llamacpp.sweep_demo`.
 """
 
@@ -18,7 +20,9 @@ from proxy.app import start_proxy
 from proxy.config import HostPort, ProxyConfig
 from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
+from tests.llamacpp import llama_cpp_python_server
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, UNIFIED_PROMPT
+from tests.llamacpp.llama_cpp_python_server import LlamaCppPythonServer
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
 
 LEVELS = (1, 2, 4)
@@ -28,10 +32,11 @@ GEOMETRIES = (
     ("one slot of 512", 512, 1, (), EOS_PROMPT),
     ("1024 split into 4 slots of 256", 1024, 4, (), EOS_PROMPT),
     ("4 slots in one unified 512-token pool", 512, 4, ("--kv-unified",), UNIFIED_PROMPT),
+    ("a prompt larger than a slot: 300 characters for 256-token slots", 1024, 4, (), "x" * 300),
 )
 
 
-async def sweep(server: LlamaServer, prompt: str, levels: tuple[int, ...] = LEVELS,
+async def sweep(server: LlamaServer | LlamaCppPythonServer, prompt: str, levels: tuple[int, ...] = LEVELS,
                 repeats: int = 2) -> tuple[SweepOutcome, str]:
     """One sweep through a fresh proxy; returns the outcome and what it printed."""
     running = await start_proxy(
@@ -63,6 +68,15 @@ async def main_async() -> None:
                 server.stop()
             flags = " ".join(("--ctx-size", str(ctx), "--parallel", str(parallel), *extra))
             print(f"### {title} (`{flags}`)\n\n```\n{printed.strip()}\n```\n")
+        if llama_cpp_python_server.available():
+            python = LlamaCppPythonServer(model)
+            python.start(Path(tmp) / "python.log")
+            try:
+                _, printed = await sweep(python, EOS_PROMPT, levels=(1, 2), repeats=3)
+            finally:
+                python.stop()
+            print(f"### llama-cpp-python's server (`python -m llama_cpp.server --n_ctx 1024`)\n\n"
+                  f"```\n{printed.strip()}\n```\n")
 
 
 if __name__ == "__main__":

@@ -43,9 +43,10 @@ EXPECTED: dict[str, tuple[str, str | None, bool | None, str | None]] = {
     "completion_stream_eos.sse": ("eos", None, False, None),
     "completion_nonstream_stop_word.json": ("stop_sequence", None, False, None),
     "completion_stream_stop_word.sse": ("stop_sequence", None, False, None),
-    "chat_nonstream_prompt_exceeds_slot.json": ("upstream_error", None, None, "http_status"),
-    "chat_nonstream_unified_pool_exhausted.json": ("upstream_error", None, None, "http_status"),
-    "chat_stream_unified_pool_exhausted.sse": ("upstream_error", None, None, "error_event"),
+    # The context, in the server's own words: a prompt over the slot, a shared pool run out.
+    "chat_nonstream_prompt_exceeds_slot.json": ("upstream_error", None, None, "exceeds_context"),
+    "chat_nonstream_unified_pool_exhausted.json": ("upstream_error", None, None, "context_exhausted"),
+    "chat_stream_unified_pool_exhausted.sse": ("upstream_error", None, None, "context_exhausted"),
     # Anthropic Messages: end_turn for EOS and a stop word alike, the word named in stop_sequence.
     "messages_nonstream_budget.json": ("length", "requested_budget", None, None),
     "messages_stream_budget.sse": ("length", "requested_budget", None, None),

@@ -281,7 +281,7 @@ async def test_streams_that_exhaust_a_unified_pool_are_recorded_with_the_servers
             continue
         record = await record_of(running, rid)
         assert (record["status"], record["stop_reason"]) == (status, "upstream_error")
-        assert record["upstream_error"] == ("error_event" if status == 200 else "http_status")
+        assert record["upstream_error"] == "context_exhausted"  # mid-stream or as an HTTP 500: the same words
         assert "Context size has been exceeded" in (record["upstream_error_detail"] or "")
         assert (record["output_tokens"], record["tokens_source"]) in ((None, "none"), *(
             (n, "counted") for n in range(EOS_AFTER)))  # none, or a few counted before the error
@@ -304,7 +304,7 @@ async def test_non_streamed_requests_failing_on_an_exhausted_unified_pool_are_ht
     for rid in rids:
         record = await record_of(running, rid)
         assert (record["status"], record["stop_reason"], record["upstream_error"]) == (
-            500, "upstream_error", "http_status")
+            500, "upstream_error", "context_exhausted")
         assert "Context size has been exceeded" in (record["upstream_error_detail"] or "")
 
 

@@ -178,6 +178,17 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyUpstreamOutOfMemory", job="llm-diag-proxy")]},
         {"eval_time": "35m", "alertname": "LLMProxyUpstreamOutOfMemory", "exp_alerts": []},
     ])
+    # --- LLMProxyContextExhausted
+    case("a context that ran out fires at once, naming which", [
+        s("llm_proxy_upstream_errors_total", 'kind="context_exhausted"', "0x10 2x30"),
+        s("llm_proxy_upstream_errors_total", 'kind="exceeds_context"', "0x40"),
+        s("llm_proxy_upstream_errors_total", 'kind="http_status"', "0+5x40"),
+    ], [
+        {"eval_time": "5m", "alertname": "LLMProxyContextExhausted", "exp_alerts": []},
+        {"eval_time": "15m", "alertname": "LLMProxyContextExhausted",
+         "exp_alerts": [fired("LLMProxyContextExhausted", job="llm-diag-proxy", kind="context_exhausted")]},
+        {"eval_time": "35m", "alertname": "LLMProxyContextExhausted", "exp_alerts": []},
+    ])
     # --- LLMProxyGPUMemoryNearlyFull
     case("a GPU with under 3% free for 5 minutes fires; vLLM's usual 10% headroom does not", [
         s("llm_proxy_gpu_memory_free_bytes", G0, "8e9x5 1e9x20"),

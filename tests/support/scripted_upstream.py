@@ -23,6 +23,7 @@ class Script:
     first_delay: float = 0.0  # seconds before the headers
     end: str = "eof"  # eof | reset (close without a clean end) | hang (never end)
     content_length: bool = False  # send Content-Length instead of chunked encoding
+    method: str | None = None  # answer only a request with this method (None: any)
 
 
 @dataclass
@@ -65,7 +66,8 @@ class ScriptedUpstream:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         seen = Seen(request.method, request.path_qs, dict(request.headers), await request.read())
         self.seen.append(seen)
-        script = self.scripts.pop(0) if self.scripts else self.default
+        index = next((i for i, s in enumerate(self.scripts) if s.method in (None, request.method)), None)
+        script = self.scripts.pop(index) if index is not None else self.default
         try:
             return await self._play(request, script)
         except (asyncio.CancelledError, ConnectionError):

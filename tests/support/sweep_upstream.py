@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ class LoadUpstream:
     token_delay: float = 0.002
     reject_above: int | None = None
     missing_model: bool = False
+    uuid_ids_only: bool = False  # llama-cpp-python's server: an empty 400 for an X-Request-Id not a UUID
+    refuse_ids: bool = False  # a server that refuses the X-Request-Id header whatever it holds
+    prompt_too_long: bool = False  # every request: vLLM's 400 for a prompt over the context
     in_flight: int = 0
     peak: int = 0
     request_ids: list[str] = field(default_factory=list)
@@ -54,6 +58,14 @@ class LoadUpstream:
         try:
             if self.missing_model:  # Ollama's answer to an unknown model
                 return web.json_response({"error": "model 'm' not found"}, status=404)
+            supplied = request.headers.get("X-Request-Id")
+            if supplied is not None and (self.refuse_ids or (self.uuid_ids_only and not _is_uuid(supplied))):
+                return web.Response(status=400)
+            if self.prompt_too_long:
+                return web.json_response({"error": {
+                    "message": "This model's maximum context length is 512 tokens. However, your prompt contains "
+                               "at least 600 input tokens", "type": "BadRequestError", "param": "input_tokens",
+                    "code": 400}}, status=400)
             if self.reject_above is not None and self.in_flight > self.reject_above:
                 return web.json_response({"error": {"message": "server busy", "type": "overloaded"}},
                                          status=429)
@@ -70,6 +82,14 @@ class LoadUpstream:
             return response
         finally:
             self.in_flight -= 1
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value, version=4)
+    except ValueError:
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager

@@ -194,7 +194,7 @@ async def test_a_budget_over_the_context_is_a_400_recorded_as_an_http_error(vllm
                 stream=stream, extra_headers={"X-Request-Id": rid})
     assert "max_model_len" in str(raised.value)
     record = await record_for(running, rid)
-    assert (record.status, record.stop_reason, record.upstream_error) == (400, "upstream_error", "http_status")
+    assert (record.status, record.stop_reason, record.upstream_error) == (400, "upstream_error", "exceeds_context")
     assert record.upstream_error_detail is not None and "max_model_len=512" in record.upstream_error_detail
     # it never ran: no server figures from the samples around it
     assert (record.kv_cache_usage_max, record.upstream_running_max, record.preemptions_during) == (None, None, None)
