@@ -113,7 +113,8 @@ async def test_an_answer_ending_with_eos_is_eos_streamed(vllm: VllmServer, proxy
     if include_usage:
         assert (record.output_tokens, record.tokens_source) == (COMPLETION_TOKENS, "usage")
     else:  # the "" chunks of held-back bytes show no text: the count is a lower bound
-        assert record.tokens_source == "counted" and record.output_tokens == chunks < COMPLETION_TOKENS
+        assert record.tokens_source == "counted" and record.output_tokens == chunks
+        assert chunks < COMPLETION_TOKENS
     assert record.prompt_tokens == (8 if include_usage else None)
 
 
@@ -147,8 +148,9 @@ async def test_a_stop_at_the_clients_budget_is_never_a_server_limit(vllm: VllmSe
     if include_usage:
         assert (record.output_tokens, record.length_cause) == (40, "requested_budget")
     else:  # 40 tokens, but the held-back bytes among them streamed as "": fewer text chunks
-        shown = sum(1 for text in chain["texts"][:40] if text)
-        assert shown < 40 and record.tokens_source == "counted" and record.output_tokens == shown
+        shown = sum(1 for text in chain["texts"][:40] if text)  # at most: a chunk may also carry two tokens
+        assert shown < 40 and record.tokens_source == "counted"
+        assert record.output_tokens is not None and 0 < record.output_tokens <= shown
         assert record.length_cause == "unknown"
     assert record.truncation_cause != "server_limit"
     record, _ = await whole_chat(running, max_tokens=40)
