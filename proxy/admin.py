@@ -1,26 +1,32 @@
 """The admin listener: /metrics, /healthz, /readyz and the record API, apart from the proxy port.
 
 It is a separate listener because the proxy port is fully transparent (vLLM's own /metrics
-must stay reachable through it).
+must stay reachable through it). Pages of records are written in small batches, each serialised
+on its own, so reading the largest page never holds the event loop (and the live streams on it)
+for more than a few milliseconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 
 import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.concurrency import CONCURRENCY_BUCKETS
 from proxy.metrics import ProxyMetrics
-from proxy.record import STOP_REASONS
-from proxy.store import RecordStore
+from proxy.record import STOP_REASONS, LengthCause, ResponseRecord
+from proxy.store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore
 
-MAX_LIMIT = 10_000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+BATCH = 50  # records serialised between two yields to the event loop
+LENGTH_CAUSES: tuple[str, ...] = LengthCause.__args__  # type: ignore[attr-defined]
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
@@ -31,12 +37,73 @@ def _error(status: int, kind: str, message: str) -> web.Response:
     return _json({"error": {"type": kind, "message": message}}, status)
 
 
+class BadQuery(ValueError):
+    """A query parameter that cannot be used; its message goes back in a 400."""
+
+
+def parse_time(name: str, value: str) -> float:
+    """Unix seconds, or ISO 8601 (`2026-12-03T10:00:00Z`; without a zone: UTC)."""
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise BadQuery(f"{name} must be unix seconds or ISO 8601, got {value[:40]!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def _choice(query: dict[str, str], name: str, allowed: Sequence[str]) -> str | None:
+    value = query.get(name) or None
+    if value is not None and value not in allowed:
+        raise BadQuery(f"unknown {name} {value[:60]!r}; one of: {', '.join(allowed)}")
+    return value
+
+
+def record_query(query: dict[str, str]) -> RecordQuery:
+    """The query parameters of GET /api/requests; raises BadQuery."""
+    raw_limit = query.get("limit", str(DEFAULT_PAGE))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+        raise BadQuery(f"limit must be an integer from 1 to {MAX_PAGE}")
+    raw_cursor = query.get("cursor")
+    if raw_cursor is not None and not raw_cursor.isdigit():
+        raise BadQuery("cursor must be the next_cursor of an earlier page")
+    return RecordQuery(
+        stop_reason=_choice(query, "stop_reason", STOP_REASONS),
+        length_cause=_choice(query, "length_cause", LENGTH_CAUSES),
+        concurrency=_choice(query, "concurrency", CONCURRENCY_BUCKETS),
+        model=query.get("model") or None, route=query.get("route") or None,
+        since=parse_time("since", query["since"]) if query.get("since") else None,
+        until=parse_time("until", query["until"]) if query.get("until") else None,
+        cursor=int(raw_cursor) if raw_cursor is not None else None, limit=int(raw_limit))
+
+
+async def write_records(request: web.Request, head: dict[str, object], records: Sequence[ResponseRecord],
+                        tail: dict[str, object]) -> web.StreamResponse:
+    """`{...head, "records": [...], ...tail}`, written BATCH records at a time with the loop free between."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    opening = orjson.dumps(head)[:-1]
+    await response.write(opening + (b',"records":[' if head else b'"records":['))
+    for start in range(0, len(records), BATCH):
+        batch = orjson.dumps([r.to_dict() for r in records[start:start + BATCH]], default=str)[1:-1]
+        await response.write((b"," if start else b"") + batch)
+        await asyncio.sleep(0)
+    await response.write(b"]," + orjson.dumps(tail)[1:])
+    await response.write_eof()
+    return response
+
+
 class UpstreamProbe:
     """Readiness: can the upstream be reached? Probed at most once a second, whatever the traffic."""
 
-    def __init__(self, upstream: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, upstream: str, session: aiohttp.ClientSession, authorization: str | None = None) -> None:
         self.upstream = upstream
         self.session = session
+        self._headers = {"Authorization": authorization} if authorization else {}
         self._checked_at = 0.0
         self._result: tuple[bool, str] = (False, "not checked yet")
 
@@ -47,21 +114,30 @@ class UpstreamProbe:
         self._checked_at = now
         try:
             timeout = aiohttp.ClientTimeout(total=2)
-            async with self.session.get(self.upstream + "/", timeout=timeout, allow_redirects=False) as response:
+            async with self.session.get(self.upstream + "/", timeout=timeout, allow_redirects=False,
+                                        headers=self._headers) as response:
                 self._result = (True, f"upstream answered HTTP {response.status}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self._result = (False, f"cannot reach the upstream {self.upstream}: {type(exc).__name__}: {exc}"[:300])
         return self._result
 
 
-def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe,
-                    token: str | None = None) -> web.Application:
+def bearer_matches(header: str, token: str) -> bool:
+    """`Authorization: Bearer TOKEN`, the scheme in any case (RFC 9110 section 11.1); any bytes."""
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    supplied = credentials.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(supplied, token.encode("utf-8", "surrogateescape"))
+
+
+def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
+                    ready: Callable[[], bool] = lambda: True) -> web.Application:
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path.startswith("/api/"):
-            supplied = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
-                return _error(401, "unauthorized", "this admin API needs 'Authorization: Bearer <token>'")
+        if token and request.path.startswith("/api/") and not bearer_matches(
+                request.headers.get("Authorization", ""), token):
+            return _error(401, "unauthorized", "this admin API needs 'Authorization: Bearer <token>'")
         return await handler(request)
 
     async def metrics_page(request: web.Request) -> web.Response:
@@ -72,22 +148,22 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         return _json({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
+        if not ready():
+            return _json({"status": "not_ready", "upstream": probe.upstream, "detail": "the proxy is shutting down"},
+                         503)
         ok, detail = await probe.check()
         return _json({"status": "ready" if ok else "not_ready", "upstream": probe.upstream, "detail": detail},
                      200 if ok else 503)
 
-    async def list_requests(request: web.Request) -> web.Response:
-        query = request.query
-        stop_reason = query.get("stop_reason") or None
-        if stop_reason is not None and stop_reason not in STOP_REASONS:
-            return _error(400, "bad_request",
-                          f"unknown stop_reason {stop_reason!r}; one of: {', '.join(STOP_REASONS)}")
-        raw_limit = query.get("limit", "100")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
-            return _error(400, "bad_request", f"limit must be an integer from 1 to {MAX_LIMIT}")
-        records = store.query(stop_reason=stop_reason, model=query.get("model") or None, limit=int(raw_limit))
-        return _json({"count": len(records), "stored": len(store), "capacity": store.capacity,
-                      "records": [r.to_dict() for r in records]})
+    async def list_requests(request: web.Request) -> web.StreamResponse:
+        try:
+            query = record_query(dict(request.query))
+        except BadQuery as exc:
+            return _error(400, "bad_request", str(exc))
+        page = store.page(query)
+        return await write_records(
+            request, {"count": len(page.records), "stored": len(store), "capacity": store.capacity},
+            page.records, {"next_cursor": page.next_cursor})
 
     async def one_request(request: web.Request) -> web.Response:
         record = store.get(request.match_info["request_id"])

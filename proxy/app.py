@@ -1,53 +1,38 @@
-"""Wiring: the proxy listener, the admin listener, and the observers between them."""
+"""Wiring and lifecycle: the proxy listener, the admin listener, the observers between them, and a
+shutdown that ends every stream visibly and writes its record before the process exits."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.admin import UpstreamProbe, build_admin_app
+from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
-from proxy.config import HostPort, ProxyConfig
-from proxy.forward import Forwarder, connection_reuse_trace
+from proxy.config import ProxyConfig
+from proxy.forward import Forwarder
+from proxy.listeners import GuardedRunner, listen
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import ObserverChain
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
+from proxy.upstream_client import upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
-POOLED_IDLE_S = 3.0
-
-
-def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
-    """The client session to the upstream: no decompression (bytes pass as sent), no cookie jar
-    (clients must not share cookies), no proxy settings from the environment, no pool limit.
-
-    Connections are pooled: a fresh one per request costs a connect and an accept on the
-    critical path of every first token. A pooled connection idles at most
-    POOLED_IDLE_S, less than the keep-alive timeouts of uvicorn (vLLM) and cpp-httplib
-    (llama-server), 5 s each, so the proxy does not pick one the server is closing; one the
-    server closed anyway (llama-server closes after every streamed response despite
-    `Keep-Alive`) is sent again on another connection by the forwarder (`UpstreamAttempt`).
-    """
-    return aiohttp.ClientSession(
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        trust_env=False,
-        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_IDLE_S, enable_cleanup_closed=True),
-        trace_configs=[connection_reuse_trace()],
-    )
+# After the grace, the streams still open are ended at once; their handlers then need a moment to
+# write the end to the client and the record to the observers.
+END_WAIT_S = 2.0
+RUNNER_SHUTDOWN_S = 1.0  # what aiohttp gives its own handlers at cleanup (60 s by default)
 
 
 @dataclass
@@ -61,51 +46,50 @@ class RunningProxy:
     metrics: ProxyMetrics
     concurrency: InFlightTracker
     observers: ObserverChain
-    _runners: list[web.AppRunner] = field(default_factory=list)
+    forwarder: Forwarder
+    _runners: list[GuardedRunner] = field(default_factory=list)
+    _proxy_site: web.TCPSite | None = None
     _session: aiohttp.ClientSession | None = None
     _telemetry: Telemetry | None = None
+    _closed: bool = False
+
+    async def shutdown(self, grace_s: float) -> float:
+        """Stop: refuse new connections and requests at once, let open exchanges finish for up to
+        `grace_s`, end the rest visibly (`proxy_shutdown`), write every record, close. Returns the
+        seconds it took."""
+        started = time.monotonic()
+        if self._proxy_site is not None:
+            await self._proxy_site.stop()  # the listening socket closes: new connections are refused
+            self._proxy_site = None
+        forwarder = self.forwarder
+        forwarder.refuse_new()
+        if forwarder.active:
+            _log.info("draining", open_exchanges=len(forwarder.active), grace_s=grace_s)
+        deadline = started + grace_s
+        while forwarder.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if forwarder.active:
+            _log.warning("ending_open_exchanges", open_exchanges=len(forwarder.active),
+                         note="the shutdown grace ran out: each ends with a proxy_shutdown event and record")
+            forwarder.end_active()
+            wait_until = time.monotonic() + END_WAIT_S
+            while forwarder.active and time.monotonic() < wait_until:
+                await asyncio.sleep(0.02)
+        await self.close()
+        return time.monotonic() - started
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.forwarder.refuse_new()
+        self.forwarder.end_active()
         for runner in self._runners:
             await runner.cleanup()
         if self._telemetry is not None:
             await self._telemetry.stop()
         if self._session is not None:
             await self._session.close()
-
-
-class OneLineClientErrors(logging.LoggerAdapter[logging.Logger]):
-    """aiohttp's server log, where a client's malformed request or lost connection is one warning
-    line instead of a traceback: a hostile client must not be able to fill the log with them."""
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
-        if not isinstance(error, (HttpProcessingError, ConnectionError)):
-            super().exception(msg, *args, exc_info=exc_info, **kwargs)
-            return
-        try:
-            text = str(msg) % args if args else str(msg)
-        except (TypeError, ValueError):
-            text = str(msg)
-        self.warning("%s: %s: %s", text, type(error).__name__, " ".join(str(error).split())[:300])
-
-
-SERVER_LOG = OneLineClientErrors(logging.getLogger("aiohttp.server"), {})
-
-
-async def _listen(app: web.Application, where: HostPort, **runner_options: Any) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None, logger=SERVER_LOG, **runner_options)
-    await runner.setup()
-    site = web.TCPSite(runner, where.host, where.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    server: Any = site._server
-    port = server.sockets[0].getsockname()[1]
-    host = f"[{where.host}]" if ":" in where.host else where.host
-    return runner, f"http://{host}:{port}"
 
 
 async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...] = (),
@@ -124,19 +108,25 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     chain.add(store)
     session = upstream_session(config)
     concurrency = InFlightTracker()
-    metrics.in_flight.set_function(lambda: concurrency.in_flight)
-    forwarder = Forwarder(config, session, chain, concurrency)
+    budget = ByteBudget(config.parse_budget_bytes)
+    metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
+                       parse_budget_refusals=lambda: budget.refused)
+    forwarder = Forwarder(config, session, chain, concurrency, budget)
     proxy_app = web.Application(client_max_size=config.request_body_cap_bytes)
     proxy_app.router.add_route("*", "/{tail:.*}", forwarder.handle)
-    admin_app = build_admin_app(store, metrics, UpstreamProbe(config.upstream, session), config.admin_token)
-    running = RunningProxy(config, "", "", store, metrics, concurrency, chain, _session=session,
+    probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
+    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down)
+    running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
                            _telemetry=telemetry)
+    options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
+                               "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:
         # handler_cancellation: a client that goes away cancels its handler at once, so the
         # upstream request is cancelled too (the server frees the sequence's KV blocks).
-        runner, running.proxy_url = await _listen(proxy_app, config.listen, handler_cancellation=True)
+        runner, running._proxy_site, running.proxy_url = await listen(
+            proxy_app, config.listen, handler_cancellation=True, **options)
         running._runners.append(runner)
-        runner, running.admin_url = await _listen(admin_app, config.admin_listen)
+        runner, _, running.admin_url = await listen(admin_app, config.admin_listen, **options)
         running._runners.append(runner)
         await telemetry.start()
     except BaseException:
@@ -168,7 +158,7 @@ async def _serve(config: ProxyConfig) -> int:
         return 2
     _log.info("listening", proxy=running.proxy_url, admin=running.admin_url, upstream=config.upstream,
               deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
-              deadline_mode=config.deadline_mode)
+              deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -177,6 +167,7 @@ async def _serve(config: ProxyConfig) -> int:
     try:
         await stop.wait()
     finally:
-        _log.info("stopping")
-        await running.close()
+        _log.info("stopping", shutdown_grace_s=config.shutdown_grace_s)
+        took = await running.shutdown(config.shutdown_grace_s)
+        _log.info("stopped", seconds=round(took, 3))
     return 0

@@ -2,7 +2,7 @@
 
 Nothing here guesses, and nothing here knows a dialect: each dialect has already read its own
 finish value into a canonical one (`events.Finish.stop`). Precedence, first match wins:
-connect failure > enforced deadline/idle timeout > client gone > 429/503/529 > other HTTP error
+connect failure > the proxy's shutdown > enforced deadline/idle timeout > client gone > 429/503/529 > other HTTP error
 > error event > upstream reset > the server's own finish reason > a stream ended without one
 (interrupted) > a body without one > stream cut with no final event.
 """
@@ -45,6 +45,7 @@ class WireFacts:
     upstream_reset: bool = False
     client_disconnected: bool = False
     enforced: str = "none"  # none | total | idle
+    proxy_shutdown: bool = False  # the proxy itself ended the exchange as it shut down
     finish: Finish | None = None
     error: ErrorEvent | None = None
     done: bool = False
@@ -110,6 +111,8 @@ def classify(facts: WireFacts) -> Diagnosis:
     if facts.connect_error is not None:
         return Diagnosis("upstream_error", upstream_error=facts.connect_error,
                          upstream_error_detail=facts.error_detail)
+    if facts.proxy_shutdown:
+        return Diagnosis("proxy_shutdown")
     if facts.enforced == "total":
         return Diagnosis("deadline")
     if facts.enforced == "idle":

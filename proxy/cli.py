@@ -96,6 +96,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream-metrics-interval", type=flag_type(parse_positive_seconds), default=1.0,
                         metavar="SECONDS", help="how often the upstream's state is read (default %(default)s; "
                                                 "--upstream-metrics off turns it off)")
+    parser.add_argument("--backlog", type=flag_type(parse_positive_int), default=2048, metavar="N",
+                        help="listen queue of the proxy port: connections accepted in a burst before the kernel "
+                             "resets new ones (default %(default)s; the kernel's somaxconn caps it)")
+    parser.add_argument("--header-timeout", type=flag_type(parse_positive_seconds), default=15.0,
+                        metavar="SECONDS", help="time a connection has to send a whole request head, at its start "
+                                                "and between keep-alive requests (default %(default)s)")
+    parser.add_argument("--shutdown-grace", type=flag_type(parse_seconds), default=20.0, metavar="SECONDS",
+                        help="on SIGTERM, how long open streams may still finish before the proxy ends them "
+                             "visibly and exits (default %(default)s; keep it under your orchestrator's grace)")
+    parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
+                        metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
+                                              "response bodies; beyond it bodies pass unread (default 256 MiB)")
     parser.add_argument("--no-log-records", dest="log_records", action="store_false",
                         help="do not write the one JSON line per response to stdout")
     add_logging_arguments(parser)
@@ -127,6 +139,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             upstream_metrics=args.upstream_metrics,
             upstream_metrics_interval_s=args.upstream_metrics_interval,
             log_records=args.log_records,
+            backlog=args.backlog,
+            header_timeout_s=args.header_timeout,
+            shutdown_grace_s=args.shutdown_grace,
+            parse_budget_bytes=args.parse_budget,
             log_level=args.log_level,
             log_format=args.log_format,
         )

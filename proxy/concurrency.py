@@ -61,3 +61,15 @@ class InFlightTracker:
         elapsed = now - slot.started
         mean = (self._integral - slot.integral_start) / elapsed if elapsed > 0 else float(slot.at_start)
         return slot.peak, mean
+
+
+CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
+
+
+def concurrency_bucket(value: int) -> str:
+    """The smallest power of two >= value, as a label: `1`, `2`, `4`, ... `64`, then `128+`."""
+    if value <= 1:
+        return "1"
+    if value > 64:
+        return "128+"
+    return str(1 << (value - 1).bit_length())

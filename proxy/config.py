@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+import re
+from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 DEFAULT_UPSTREAM = "http://127.0.0.1:11434"  # Ollama's default
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -42,20 +44,48 @@ def parse_host_port(value: str) -> HostPort:
     return HostPort(host or "127.0.0.1", int(port_text))
 
 
+def redact_url(value: str) -> str:
+    """A URL as it may be shown: a password in it replaced by `***` (logs, errors, /readyz, 502 bodies)."""
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return re.sub(r"//[^/@]*@", "//***@", value)
+    if parts.password is None:
+        return value
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """`http://user:pass@host/x` -> (`http://host/x`, the Basic `Authorization` value); no userinfo: (url, None).
+
+    aiohttp refuses a URL with credentials beside an `Authorization` header, and a URL is shown in
+    logs and answers: the proxy keeps the credentials apart and sends them as a header instead.
+    """
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    userinfo = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    token = base64.b64encode(userinfo.encode()).decode()
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), f"Basic {token}"
+
+
 def parse_upstream_url(value: str) -> str:
-    """Check an upstream base URL (`http://host:port[/prefix]`) and return it without a trailing /."""
+    """Check an upstream base URL (`http://[user:pass@]host:port[/prefix]`) and return it without a
+    trailing /. Errors show it with the password redacted."""
     text = value.strip()
+    shown = redact_url(text)
     try:
         parts = urlsplit(text)
         port = parts.port
     except ValueError as exc:
-        raise ConfigError(f"invalid upstream URL {value!r}: {exc}") from None
+        raise ConfigError(f"invalid upstream URL {shown!r}: {redact_url(str(exc))}") from None
     if parts.scheme not in ("http", "https"):
-        raise ConfigError(f"invalid upstream URL {value!r}: the scheme must be http or https")
+        raise ConfigError(f"invalid upstream URL {shown!r}: the scheme must be http or https")
     if not parts.hostname:
-        raise ConfigError(f"invalid upstream URL {value!r}: no host")
+        raise ConfigError(f"invalid upstream URL {shown!r}: no host")
     if parts.query or parts.fragment:
-        raise ConfigError(f"invalid upstream URL {value!r}: a query or fragment is not allowed")
+        raise ConfigError(f"invalid upstream URL {shown!r}: a query or fragment is not allowed")
     del port
     return text.rstrip("/")
 
@@ -124,8 +154,22 @@ class ProxyConfig:
     log_level: str = "info"
     log_format: Literal["json", "console"] = "json"
     log_records: bool = True
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     gpu_poll_interval_s: float = 1.0
     upstream_metrics: Literal["auto", "vllm", "ollama", "off"] = "auto"
     upstream_metrics_interval_s: float = 1.0
     connect_timeout_s: float = 10.0
+    backlog: int = 2048  # the listen queue: a burst of connects beyond it is reset by the kernel
+    header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)
+    shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
+    parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
+    # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
+    # never shown (the URL above has them taken out).
+    upstream_authorization: str | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        clean, authorization = split_credentials(self.upstream)
+        if authorization is not None:
+            object.__setattr__(self, "upstream", clean)
+            if self.upstream_authorization is None:
+                object.__setattr__(self, "upstream_authorization", authorization)

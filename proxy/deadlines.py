@@ -1,8 +1,9 @@
-"""The total deadline and the idle timeout of one exchange: enforced as rescheduled asyncio timeouts.
+"""The total deadline and the idle timeout of one exchange, and the proxy's own shutdown: enforced as
+rescheduled asyncio timeouts.
 
 Armed around reads from the upstream only, so a slow client never counts as an idle upstream.
 Given what it needs when it is built; it tells what fired through `fired`, never by reaching
-into the exchange that uses it.
+into the exchange that uses it. `shutdown()` ends the guarded wait at once, whatever the mode.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 Kind = Literal["total", "idle"]
+Fired = Literal["total", "idle", "shutdown"]
 
 
 class Deadlines:
@@ -27,17 +29,16 @@ class Deadlines:
         self.idle_s = idle_s or None
         self.enforce = enforce and bool(deadline_s or idle_s)
         self.deadline_at = started + deadline_s if deadline_s else None
-        self.fired: Kind | None = None
+        self.fired: Fired | None = None
         self._timeout: asyncio.Timeout | None = None
         self._offset = 0.0  # asyncio timeouts run on loop.time(); our stamps are time.monotonic()
 
     @contextlib.asynccontextmanager
     async def guard(self) -> AsyncIterator[None]:
-        if not self.enforce:
-            yield
-            return
+        if self.fired == "shutdown":
+            raise TimeoutError("the proxy is shutting down")
         self._offset = asyncio.get_running_loop().time() - time.monotonic()
-        timeout = asyncio.timeout_at(self._at(self.deadline_at))
+        timeout = asyncio.timeout_at(self._at(self.deadline_at) if self.enforce else None)
         self._timeout = timeout
         try:
             async with timeout:
@@ -53,10 +54,17 @@ class Deadlines:
     def _at(self, when: float | None) -> float | None:
         return None if when is None else when + self._offset
 
+    def shutdown(self) -> None:
+        """The proxy is stopping: end the guarded wait now (or the next one, at its start)."""
+        self.fired = "shutdown"
+        timeout = self._timeout
+        if timeout is not None:
+            timeout.reschedule(asyncio.get_running_loop().time())
+
     def arm(self, since: float) -> None:
         """Before a read: the earlier of the total deadline and `since` + the idle timeout."""
         timeout = self._timeout
-        if timeout is None:
+        if timeout is None or not self.enforce or self.fired is not None:
             return
         when = self.deadline_at
         if self.idle_s is not None:
@@ -68,7 +76,7 @@ class Deadlines:
     def disarm(self) -> None:
         """After a read: only the total deadline runs while the chunk goes to the client."""
         timeout = self._timeout
-        if timeout is not None and self.idle_s is not None:
+        if timeout is not None and self.enforce and self.idle_s is not None and self.fired is None:
             timeout.reschedule(self._at(self.deadline_at))
 
     def passed(self, ended: float, longest_gap: float) -> Kind | None:
@@ -83,6 +91,8 @@ class Deadlines:
 
     def message(self) -> str:
         """What the visible end of an enforced cut says."""
+        if self.fired == "shutdown":
+            return "the proxy is shutting down: this response was ended before it was complete"
         if self.fired == "idle":
             return f"no bytes from the upstream for {self.idle_s:g} s (idle timeout)"
         return f"response exceeded the {self.deadline_s:g} s deadline"

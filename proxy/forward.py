@@ -14,7 +14,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -23,11 +22,13 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
 from proxy.config import ProxyConfig
 from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
+from proxy.upstream_client import SendCount
 
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
@@ -36,13 +37,15 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
+# `Expect: 100-continue` is answered by the proxy itself (it reads the body before it connects): sent
+# on, the upstream would wait for a body the proxy has already sent, or the client for a second 100.
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
+
 _RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 # aiohttp's client adds these when absent; a transparent proxy must not.
 SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
-MAX_STALE_RETRIES = 3
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -95,41 +98,28 @@ def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[Non
         "the upstream connection closed without ending the body (invalid framing)"))
 
 
-class UpstreamAttempt:
-    """One try at sending a request upstream; aiohttp's tracing marks it when the connection
-    came from the pool (`connection_reuse_trace`)."""
-
-    __slots__ = ("reused",)
-
-    def __init__(self) -> None:
-        self.reused = False
-
-
-async def _mark_reused(_session: aiohttp.ClientSession, context: SimpleNamespace,
-                       _params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    attempt = context.trace_request_ctx
-    if isinstance(attempt, UpstreamAttempt):
-        attempt.reused = True
-
-
-def connection_reuse_trace() -> aiohttp.TraceConfig:
-    """The trace the upstream session needs so that `_Exchange._send` can tell a dead pooled
-    connection (safe to send on again) from a server that failed on a fresh one (not)."""
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_reuseconn.append(_mark_reused)
-    return trace
-
-
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
     def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession, observers: ObserverChain,
-                 concurrency: InFlightTracker) -> None:
+                 concurrency: InFlightTracker, budget: ByteBudget) -> None:
         self.config = config
         self.session = session
         self.observers = observers
         self.concurrency = concurrency
-        self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes)
+        self.budget = budget
+        self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, budget)
+        self.active: set[Deadlines] = set()  # one per exchange in progress: what shutdown() ends
+        self.shutting_down = False
+
+    def refuse_new(self) -> None:
+        """From now on, answer every new request 503 `proxy_shutdown` (the proxy is stopping)."""
+        self.shutting_down = True
+
+    def end_active(self) -> None:
+        """End every exchange still open, visibly: a final error event, or a 503 before any head."""
+        for deadlines in list(self.active):
+            deadlines.shutdown()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
@@ -143,12 +133,17 @@ class Forwarder:
         deadlines = Deadlines(started, config.deadline_s, config.idle_timeout_s, config.deadline_mode == "enforce")
         if config.deadline_s or config.idle_timeout_s:
             recorder.record.deadline_mode = config.deadline_mode
+        if self.shutting_down:
+            deadlines.shutdown()
         exchange = _Exchange(self, request, recorder, deadlines)
+        self.active.add(deadlines)
         try:
             return await exchange.forward()
         finally:
+            self.active.discard(deadlines)
             peak, mean = tracker.release(slot) if slot is not None else (at_start, float(at_start))
             recorder.concurrency(at_start, peak, mean)
+            self.budget.release(exchange.held)
             exchange.finish()
 
 
@@ -160,7 +155,10 @@ class _Exchange:
         self.session = forwarder.session
         self.observers = forwarder.observers
         self.base = forwarder.config.upstream
+        self.authorization = forwarder.config.upstream_authorization
         self.body_cap = forwarder.config.request_body_cap_bytes
+        self.budget = forwarder.budget
+        self.held = 0  # request body bytes reserved from the budget
         self.request = request
         self.recorder = recorder
         self.deadlines = deadlines
@@ -169,29 +167,38 @@ class _Exchange:
         self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
 
     # --- the request ------------------------------------------------------------------------
-    async def _request_body(self) -> bytes | AsyncIterator[bytes] | None:
-        """The body to send on: whole bytes when it fits the parse cap, else a stream of it."""
+    async def _request_body(self) -> bytearray | AsyncIterator[bytes | bytearray] | None:
+        """The body to send on: held whole (one copy, read for diagnosis and sent as it is) when it
+        fits the parse cap and the process-wide budget, else streamed on unread."""
         request = self.request
         if not request.body_exists:
             self.recorder.request_body(None)
             return None
-        cap = self.body_cap
+        cap, budget = self.body_cap, self.budget
         head = bytearray()
         while True:
             chunk = await request.content.readany()
             if not chunk:
-                body = bytes(head)
-                self.recorder.request_body(body)
-                return body
-            head += chunk
-            if len(head) > cap:
-                self.recorder.request_body(None, f"request body over the {cap}-byte parse cap: not parsed")
-                return self._body_stream(bytes(head))
+                self.recorder.request_body(head)
+                return head
+            if len(head) + len(chunk) > cap:
+                note = f"request body over the {cap}-byte parse cap: not parsed"
+            elif not budget.reserve(len(chunk)):
+                note = "the process-wide parse budget (--parse-budget) was spent: request body not parsed"
+            else:
+                self.held += len(chunk)
+                head += chunk
+                continue
+            budget.release(self.held)
+            self.held = 0
+            self.recorder.request_body(None, note)
+            return self._body_stream(head, chunk)
 
-    async def _body_stream(self, head: bytes) -> AsyncIterator[bytes]:
+    async def _body_stream(self, head: bytearray, chunk: bytes) -> AsyncIterator[bytes | bytearray]:
         yield head
-        async for chunk in self.request.content.iter_any():
-            yield chunk
+        yield chunk
+        async for rest in self.request.content.iter_any():
+            yield rest
 
     # --- the exchange -------------------------------------------------------------------------
     async def forward(self) -> web.StreamResponse:
@@ -204,12 +211,21 @@ class _Exchange:
         self._notify_start()
         url = URL(self.base + self.request.rel_url.raw_path_qs, encoded=True)
         headers = _filtered(self.request.headers, _REQUEST_SKIP)
+        # The proxy's request id goes upstream, so both sides name the request alike; the client's
+        # own Authorization wins over credentials given in the upstream URL.
+        headers[REQUEST_ID] = recorder.record.request_id
+        if self.authorization is not None and "Authorization" not in headers:
+            headers["Authorization"] = self.authorization
         try:
             async with self.deadlines.guard():
                 upstream = await self._send(url, headers, body)
         except TimeoutError:
-            if self.deadlines.fired is not None:
-                recorder.deadline_enforced(self.deadlines.fired, status=504)
+            fired = self.deadlines.fired
+            if fired == "shutdown":
+                recorder.proxy_shutdown(status=503)
+                return self._answer(503, "proxy_shutdown", self.deadlines.message())
+            if fired is not None:
+                recorder.deadline_enforced(fired, status=504)
                 return self._answer(504, "deadline_exceeded", self.deadlines.message())
             detail = f"timed out connecting to {self.base}"
             recorder.no_answer("timeout", detail, 504)
@@ -233,25 +249,21 @@ class _Exchange:
             upstream.close()
 
     async def _send(self, url: URL, headers: CIMultiDict[str],
-                    body: bytes | AsyncIterator[bytes] | None) -> aiohttp.ClientResponse:
-        """Send the request; again, on another connection, when a pooled one turns out dead.
+                    body: bytearray | AsyncIterator[bytes | bytearray] | None) -> aiohttp.ClientResponse:
+        """Send the request once; the record counts what aiohttp sent again.
 
-        A connection the server closed while it sat in the pool fails before any response byte:
-        the server was done with it, not with this request. Only replayable bodies are sent
-        again, at most MAX_STALE_RETRIES times; the record counts the retries.
+        A pooled connection the server closed while idle is never written on (see
+        `upstream_client.LivenessCheckedConnector`). One that dies under a request anyway may have
+        carried it to the server: aiohttp sends an idempotent request again on a fresh connection,
+        and a POST never, so a server never generates twice.
         """
-        send = functools.partial(self.session.request, self.request.method, url, headers=headers,
-                                 data=body, allow_redirects=False, skip_auto_headers=SKIP_AUTO_HEADERS)
-        replayable = body is None or isinstance(body, bytes)
-        record = self.recorder.record
-        while True:
-            attempt = UpstreamAttempt()
-            try:
-                return await send(trace_request_ctx=attempt)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                if not (attempt.reused and replayable and record.upstream_retries < MAX_STALE_RETRIES):
-                    raise
-            record.upstream_retries += 1
+        count = SendCount()
+        try:
+            return await self.session.request(self.request.method, url, headers=headers, data=body,
+                                              allow_redirects=False, skip_auto_headers=SKIP_AUTO_HEADERS,
+                                              trace_request_ctx=count)
+        finally:
+            self.recorder.record.upstream_retries = count.retries
 
     def _answer(self, status: int, kind: str, message: str) -> web.Response:
         """The proxy's own JSON answer, for when the upstream gave none."""
@@ -261,8 +273,13 @@ class _Exchange:
         return response
 
     def _stamp(self, response: web.StreamResponse) -> None:
+        """The proxy's two headers: its request id unless the upstream sent its own, and the concurrency."""
         record = self.recorder.record
-        response.headers[REQUEST_ID] = record.request_id
+        theirs = response.headers.get(REQUEST_ID)
+        if theirs is None:
+            response.headers[REQUEST_ID] = record.request_id
+        elif theirs != record.request_id:
+            record.upstream_request_id = theirs[:128]
         response.headers[CONCURRENCY] = str(record.concurrency_at_start)
 
     async def _relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -301,9 +318,13 @@ class _Exchange:
                     await response.write(chunk)
                     feed(chunk, now)
         except TimeoutError:
-            if deadlines.fired is None:
+            fired = deadlines.fired
+            if fired is None:
                 raise
-            recorder.deadline_enforced(deadlines.fired)
+            if fired == "shutdown":
+                recorder.proxy_shutdown()
+            else:
+                recorder.deadline_enforced(fired)
             recorder.body_ended(clock())
             await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
             return response
@@ -332,7 +353,8 @@ class _Exchange:
                            upstream: aiohttp.ClientResponse) -> None:
         """Enforce a deadline: cut the upstream and end the stream with an error event."""
         upstream.close()  # the server sees the disconnect and frees the sequence
-        kind = "deadline_exceeded" if self.deadlines.fired == "total" else "idle_timeout"
+        fired = self.deadlines.fired
+        kind = {"total": "deadline_exceeded", "idle": "idle_timeout"}.get(fired or "", "proxy_shutdown")
         if media in _STREAM_MEDIA and response.content_length is None:
             try:
                 await response.write(enforcement_event(media, kind, self.deadlines.message()))

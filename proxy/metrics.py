@@ -6,17 +6,20 @@ model names are capped (`max_models`, the rest reported as `other`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from proxy.concurrency import concurrency_bucket
 from proxy.record import COMPLETE_STOP_REASONS, STOP_REASONS, UPSTREAM_ERROR_KINDS, ResponseRecord
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
-CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
 # The cause label of llm_proxy_truncated_total: every stop reason that is not a complete answer,
 # and server_limit (a length stop below the requested budget).
 TRUNCATION_CAUSES = (*(r for r in STOP_REASONS if r not in COMPLETE_STOP_REASONS and r != "not_inference"),
@@ -25,13 +28,14 @@ OTHER_MODEL = "other"
 NO_MODEL = "none"
 
 
-def concurrency_bucket(value: int) -> str:
-    """The smallest power of two >= value, as a label: `1`, `2`, `4`, ... `64`, then `128+`."""
-    if value <= 1:
-        return "1"
-    if value > 64:
-        return "128+"
-    return str(1 << (value - 1).bit_length())
+class _CallbackCounter(Collector):
+    """A counter whose value another object keeps (a `_total` read at scrape time)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
 class ProxyMetrics:
@@ -86,6 +90,16 @@ class ProxyMetrics:
             ["dialect"], registry=r)
         self.observer_errors = Counter(
             "llm_proxy_observer_errors", "Observer failures (the traffic was not affected).", registry=r)
+        self.invalid_requests = Counter(
+            "llm_proxy_invalid_requests", "Requests refused with a 400 before any handler ran, because they "
+            "are not valid HTTP (a header line over 8190 bytes, a control byte in a value), by reason.",
+            ["reason"], registry=r)
+        self.parse_budget_used = Gauge(
+            "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
+            "process-wide (--parse-budget bounds it).", registry=r)
+        self._parse_budget_refusals: Callable[[], float] = lambda: 0.0
+        r.register(_CallbackCounter("llm_proxy_parse_budget_refusals", "Bodies passed through unread because "
+                                    "the process-wide parse budget was spent.", lambda: self._parse_budget_refusals()))
         # --- GPU telemetry (NVML) ------------------------------------------------------------
         gpu_labels = ["gpu", "uuid", "name"]
         self.gpu_memory_used = Gauge(
@@ -130,6 +144,17 @@ class ProxyMetrics:
                 self.deadline_hits.labels(kind, mode)
         for error_kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(error_kind)
+
+    def read_state(self, *, in_flight: Callable[[], float], parse_budget_used: Callable[[], float],
+                   parse_budget_refusals: Callable[[], float]) -> None:
+        """Figures the process already knows, read at scrape time rather than counted twice."""
+        self.in_flight.set_function(in_flight)
+        self.parse_budget_used.set_function(parse_budget_used)
+        self._parse_budget_refusals = parse_budget_refusals
+
+    def count_refused(self, reason: str) -> None:
+        """A request the HTTP parser refused (`proxy.listeners.refusal_reason`: a bounded set)."""
+        self.invalid_requests.labels(reason).inc()
 
     def model_label(self, model: str | None) -> str:
         """A bounded model label: the first `max_models` distinct names, then `other`."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from proxy.budget import UNLIMITED, ByteBudget
 from proxy.dialects.base import Dialect
 from proxy.events import DONE, NO_EVENTS, Event, ParseError
 from proxy.ndjson import NdjsonDecoder
@@ -107,32 +108,54 @@ class NdjsonParser:
 
 
 class JsonBodyParser:
-    """A complete (non-streaming) JSON body, read from a bounded copy at the end."""
+    """A complete (non-streaming) JSON body, read from a bounded copy at the end.
 
-    __slots__ = ("_cap", "_chunks", "_interpret", "_size")
+    The copy counts against the body cap and the process-wide budget; past either, the chunks
+    held so far are dropped at once and the body is reported unread.
+    """
+
+    __slots__ = ("_budget", "_cap", "_chunks", "_held", "_interpret", "_refused", "_size")
     streaming = False
 
-    def __init__(self, interpret: Interpret, cap: int) -> None:
+    def __init__(self, interpret: Interpret, cap: int, budget: ByteBudget = UNLIMITED) -> None:
         self._interpret = interpret
         self._cap = cap
+        self._budget = budget
         self._chunks: list[bytes] = []
         self._size = 0
+        self._held = 0  # bytes reserved from the budget
+        self._refused: str | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
         self._size += len(chunk)
-        if self._size <= self._cap:
+        if self._refused is not None:
+            return _NO_EVENTS
+        if self._size > self._cap:
+            self._drop("cap")
+        elif not self._budget.reserve(len(chunk)):
+            self._drop("budget")
+        else:
+            self._held += len(chunk)
             self._chunks.append(chunk)
-        elif self._chunks:
-            self._chunks.clear()
         return _NO_EVENTS
 
+    def _drop(self, reason: str) -> None:
+        self._refused = reason
+        self._chunks.clear()
+        self._budget.release(self._held)
+        self._held = 0
+
     def close(self) -> list[Event]:
-        if self._size > self._cap:
+        if self._refused == "cap":
             return [ParseError(f"body of {self._size} bytes exceeds the {self._cap}-byte parse cap")]
+        if self._refused == "budget":
+            return [ParseError("the process-wide parse budget (--parse-budget) was spent: body not read")]
         if not self._size:
             return [ParseError("empty body")]
-        events = _interpret(self._interpret, b"".join(self._chunks))
-        self._chunks.clear()
+        try:
+            events = _interpret(self._interpret, b"".join(self._chunks))
+        finally:
+            self._drop("closed")
         return [*events, DONE] if events and not isinstance(events[0], ParseError) else events
 
 
@@ -182,7 +205,7 @@ class DecompressingParser:
 
 
 def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *,
-               max_line: int, body_cap: int) -> ResponseParser:
+               max_line: int, body_cap: int, budget: ByteBudget = UNLIMITED) -> ResponseParser:
     """The parser for one response in `dialect`, its framing chosen by what the server declared."""
     interpret: Interpret = dialect.events
     media = content_type.partition(";")[0].strip().lower()
@@ -192,7 +215,7 @@ def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *,
     elif media in ("application/x-ndjson", "application/ndjson", "application/jsonl"):
         parser = NdjsonParser(interpret, max_line)
     elif media == "application/json" or media.endswith("+json"):
-        parser = JsonBodyParser(interpret, body_cap)
+        parser = JsonBodyParser(interpret, body_cap, budget)
     else:
         parser = UnknownParser(f"unrecognised content type {media or '(none)'!r}")
     encoding = content_encoding.strip().lower()

@@ -17,6 +17,7 @@ StopReason = Literal[
     "interrupted",
     "deadline",
     "idle_timeout",
+    "proxy_shutdown",
     "upstream_error",
     "rejected",
     "not_inference",
@@ -99,7 +100,9 @@ class ResponseRecord:
     disconnect_phase: Literal["before_first_token", "mid_stream"] | None = None
     upstream_error: UpstreamErrorKind | None = None
     upstream_error_detail: str | None = None
-    upstream_retries: int = 0  # sent again after a pooled connection turned out closed
+    upstream_retries: int = 0  # an idempotent request sent again after a pooled connection turned out closed
+    upstream_request_id: str | None = None  # the upstream's own X-Request-Id, where it differs from ours
+    request_note: str | None = None  # why the request body was not read (over the cap, the budget spent)
     parse_error: bool = False
     parse_error_detail: str | None = None
     bytes_out: int = 0

@@ -14,6 +14,7 @@ from typing import Literal
 
 import orjson
 
+from proxy.budget import UNLIMITED, ByteBudget
 from proxy.classify import WireFacts, classify
 from proxy.dialects import FALLBACK, route_of
 from proxy.dialects.base import Dialect
@@ -31,9 +32,10 @@ class ParseLimits:
 
     max_line_bytes: int = 4 * 1024 * 1024
     body_cap_bytes: int = 32 * 1024 * 1024
+    budget: ByteBudget = UNLIMITED  # shared by every exchange of a process
 
 
-def read_request(dialect: Dialect, body: bytes) -> RequestInfo:
+def read_request(dialect: Dialect, body: bytes | bytearray) -> RequestInfo:
     """What a generation request asks for; never raises (a body it cannot read is noted)."""
     info = RequestInfo()
     if not body:
@@ -71,6 +73,7 @@ class Recorder:
         "_info",
         "_limits",
         "_reset",
+        "_shutdown",
         "_started",
         "record",
         "tally",
@@ -90,6 +93,7 @@ class Recorder:
         self._client_gone = False
         self._enforced: DeadlineKind = "none"
         self._deadline_observed: DeadlineKind = "none"
+        self._shutdown = False
         self._ended_at: float | None = None
 
     @classmethod
@@ -107,7 +111,7 @@ class Recorder:
         return self._dialect is not None
 
     # --- the request ----------------------------------------------------------------------
-    def request_body(self, body: bytes | None, note: str | None = None) -> None:
+    def request_body(self, body: bytes | bytearray | None, note: str | None = None) -> None:
         """The request body when it was held whole (None: none, or too large to read; `note` says)."""
         if self._dialect is not None and body is not None:
             self._info = read_request(self._dialect, body)
@@ -118,6 +122,7 @@ class Recorder:
         record.requested_max_tokens, record.seed, record.temperature = (
             info.requested_max_tokens, info.seed, info.temperature)
         record.num_ctx, record.n = info.num_ctx, info.n
+        record.request_note = info.body_note if info.body_note != "empty body" else None
 
     # --- the response ---------------------------------------------------------------------
     def response_head(self, status: int, content_type: str, content_encoding: str = "") -> None:
@@ -127,7 +132,8 @@ class Recorder:
             dialect = self._dialect or FALLBACK
             self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
                                                 max_line=self._limits.max_line_bytes,
-                                                body_cap=self._limits.body_cap_bytes))
+                                                body_cap=self._limits.body_cap_bytes,
+                                                budget=self._limits.budget))
 
     def chunk(self, data: bytes, now: float) -> None:
         """A chunk of the response body, already on its way to the client."""
@@ -159,6 +165,12 @@ class Recorder:
     def deadline_enforced(self, kind: DeadlineHit, status: int | None = None) -> None:
         """The proxy cut the exchange at a deadline (`status`: its own answer, before any head)."""
         self._enforced = kind
+        if status is not None:
+            self.record.status = status
+
+    def proxy_shutdown(self, status: int | None = None) -> None:
+        """The proxy ended the exchange as it shut down (`status`: its own answer, before any head)."""
+        self._shutdown = True
         if status is not None:
             self.record.status = status
 
@@ -200,7 +212,8 @@ class Recorder:
         diagnosis = classify(WireFacts(
             inference=self.inference, status=record.status, connect_error=self._connect_error,
             error_detail=self._error_detail, upstream_reset=self._reset, client_disconnected=self._client_gone,
-            enforced=self._enforced, finish=tally.finish, error=tally.error, done=tally.done,
+            enforced=self._enforced, proxy_shutdown=self._shutdown, finish=tally.finish, error=tally.error,
+            done=tally.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
             n=record.n, stop_requested=info.stop_requested, streamed=tally.streaming))

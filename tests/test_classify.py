@@ -9,7 +9,7 @@ import pytest
 from proxy.classify import WireFacts, classify, is_oom, length_cause
 from proxy.concurrency import InFlightTracker
 from proxy.events import ErrorEvent, Finish
-from proxy.metrics import concurrency_bucket
+from proxy.concurrency import concurrency_bucket
 
 BASE = WireFacts(inference=True, status=200, finish=Finish("stop", "eos"), done=True)
 

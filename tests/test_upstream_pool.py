@@ -1,9 +1,11 @@
-"""The upstream connection pool: connections are reused, and a pooled connection the server
-closed meanwhile costs a retry on a fresh one, never a 502 for a request the server never saw."""
+"""The upstream connection pool: connections are reused; a pooled connection the server closed while
+it sat idle is never written on (a fresh one is opened); and a request the server may have read is
+never sent twice: a POST that dies on a reused connection is a 502, a GET is sent again."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ class KeepAliveUpstream:
     closed unanswered, as by a server whose keep-alive ran out just as the request came."""
 
     answer_per_connection: int | None = None
+    close_after_answer: bool = False  # llama-server: answers with Keep-Alive, then closes anyway
     connections: int = 0
     answered: int = 0
     dropped: int = 0
@@ -58,6 +61,8 @@ class KeepAliveUpstream:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
                 await writer.drain()
+                if self.close_after_answer:
+                    break
         writer.close()
 
 
@@ -85,20 +90,47 @@ async def test_sequential_requests_share_one_upstream_connection(
     assert (await record_for(proxy, "pool-4")).upstream_retries == 0
 
 
-async def test_a_dead_pooled_connection_is_retried_on_a_fresh_one(
+async def test_a_post_the_server_read_and_then_dropped_is_never_sent_again(
         keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
-    keepalive.answer_per_connection = 1  # every reused connection dies under the request
+    """RFC 9112 section 9.3.1: the server read the second request, then closed. Sending it again
+    would make it generate twice: the client gets a 502 and the server saw the request once."""
+    keepalive.answer_per_connection = 1
     proxy = await make_proxy(keepalive.url)
     assert await post(client, proxy.proxy_url, "first") == (200, ANSWER)
-    assert await post(client, proxy.proxy_url, "second") == (200, ANSWER)
+    status, body = await post(client, proxy.proxy_url, "second")
+    assert status == 502 and orjson.loads(body)["error"]["type"] == "upstream_reset"
     record = await record_for(proxy, "second")
-    assert record.upstream_retries == 1
-    assert (record.status, record.stop_reason, record.upstream_error) == (200, "eos", None)
-    assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (2, 2, 1)
-    assert keepalive.bodies == [REQUEST, REQUEST]  # the retry sends the same bytes
-    assert (await record_for(proxy, "first")).upstream_retries == 0
+    assert (record.upstream_retries, record.stop_reason, record.upstream_error) == (0, "upstream_error", "reset")
+    assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (1, 1, 1)
+    assert keepalive.bodies == [REQUEST]
+
+
+async def test_an_idempotent_request_on_a_dead_pooled_connection_is_sent_again(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    keepalive.answer_per_connection = 1
+    proxy = await make_proxy(keepalive.url)
+    assert await post(client, proxy.proxy_url, "first") == (200, ANSWER)
+    async with client.get(proxy.proxy_url + "/v1/models", headers={"X-Request-Id": "again"}) as response:
+        assert (response.status, await response.read()) == (200, ANSWER)
+    record = await record_for(proxy, "again")
+    assert record.upstream_retries == 1 and (keepalive.connections, keepalive.dropped) == (2, 1)
     async with client.get(proxy.admin_url + "/metrics") as response:
         assert "llm_proxy_upstream_retries_total 1.0\n" in await response.text()
+
+
+async def test_a_server_that_closes_after_every_answer_never_costs_a_502(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    """llama-server's habit: `Connection: keep-alive`, then a close. The pooled connection is found
+    closed before it carries the next request, which goes out on a fresh one."""
+    keepalive.close_after_answer = True
+    proxy = await make_proxy(keepalive.url)
+    for i in range(40):
+        assert await post(client, proxy.proxy_url, f"closing-{i}") == (200, ANSWER)
+        if i % 2:
+            await asyncio.sleep(0.005)  # half the time the event loop has seen the server's FIN, half not
+    assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (40, 40, 0)
+    for i in range(40):
+        assert (await record_for(proxy, f"closing-{i}")).upstream_retries == 0
 
 
 async def test_a_fresh_connection_that_dies_is_not_retried(
@@ -124,3 +156,20 @@ async def test_a_streamed_request_body_is_not_sent_twice(
     record = await record_for(proxy, "big")
     assert (record.upstream_retries, record.upstream_error) == (0, "reset")
     assert keepalive.dropped == 1
+
+
+def test_an_idle_connection_the_peer_closed_is_readable_one_still_open_is_not() -> None:
+    import socket
+
+    from proxy.upstream_client import readable
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        try:
+            assert not readable(client.fileno())  # idle and open: reusable
+            server.close()  # the server's FIN, before anything was written on the connection
+            time.sleep(0.05)
+            assert readable(client.fileno())
+        finally:
+            client.close()

@@ -69,7 +69,9 @@ class Telemetry:
         if self.upstream_ring is not None and mode != "off":
             interval = self.config.upstream_metrics_interval_s
             timeout = aiohttp.ClientTimeout(total=min(10.0, max(2.0, 3 * interval)))
-            self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=True)
+            authorization = self.config.upstream_authorization
+            self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=True,
+                                                  headers={"Authorization": authorization} if authorization else None)
             self.upstream_poller = UpstreamPoller(
                 self.config.upstream, mode, interval, self.metrics, self.upstream_ring, self._session,
                 redetect_s=self._redetect_s)

@@ -1,0 +1,124 @@
+"""The two listening sockets: aiohttp's server, held to what a proxy facing hostile clients needs.
+
+- A listen backlog sized for bursts (`--backlog`): aiohttp's default of 128 resets clients when
+  a thousand connect at once.
+- A time limit for a whole request head (`--header-timeout`): aiohttp's keep-alive timer, which
+  closes a connection that has not delivered a complete request within it, at its start and
+  between keep-alive requests, so slow-header clients cannot hold connections for an hour.
+- A request aiohttp's parser refuses (a header over 8190 bytes, a control byte in a value) gets
+  a JSON 400 and one log line that never contains a header value, and is counted; aiohttp's own
+  answer would echo the offending header, and its log would print it with a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, HttpProcessingError, InvalidHeader, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from proxy.config import HostPort
+
+RefusalHook = Callable[[str], None]
+
+
+def refusal_reason(error: HttpProcessingError) -> str:
+    """A bounded name for why a request was refused: the metric label and the log's words."""
+    if isinstance(error, LineTooLong):
+        return "line_too_long"
+    if isinstance(error, InvalidHeader):
+        return "bad_header"
+    if isinstance(error, BadStatusLine):
+        return "bad_request_line"
+    if isinstance(error, BadHttpMessage):
+        return "bad_message"
+    return "bad_request"
+
+
+class OneLineClientErrors(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log, where a client's lost connection is one warning line instead of a
+    traceback: a hostile client must not be able to fill the log with them."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if not isinstance(error, (HttpProcessingError, ConnectionError)):
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        try:
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        # The type only: a parser's message quotes the bytes it refused, and those may be a credential.
+        self.warning("%s: %s", text, type(error).__name__)
+
+
+SERVER_LOG = OneLineClientErrors(logging.getLogger("aiohttp.server"), {})
+
+
+class GuardedRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering a malformed request with a clean JSON 400."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status != 400 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        reason = refusal_reason(exc)
+        self.logger.warning("refused a request that is not valid HTTP from %s: %s (HTTP 400)", request.remote, reason)
+        hook: RefusalHook | None = getattr(self._manager, "on_refused", None)
+        if hook is not None:
+            hook(reason)
+        body = orjson.dumps({"error": {"type": "bad_request", "message": f"the request is not valid HTTP "
+                                       f"({reason.replace('_', ' ')})", "source": "llm-diag-proxy"}})
+        response = web.Response(status=400, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+class GuardedServer(web.Server):
+    """aiohttp's Server, making GuardedRequestHandlers; `on_refused` is told each refusal's reason."""
+
+    on_refused: RefusalHook | None = None
+
+    def __call__(self) -> RequestHandler:
+        return GuardedRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose server is a GuardedServer."""
+
+    def __init__(self, app: web.Application, *, on_refused: RefusalHook | None = None, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._on_refused = on_refused
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = GuardedServer  # same layout: aiohttp's Server has no slots
+        server.on_refused = self._on_refused  # type: ignore[attr-defined]
+        return server
+
+
+async def listen(app: web.Application, where: HostPort, *, backlog: int, header_timeout_s: float,
+                 on_refused: RefusalHook | None = None,
+                 **runner_options: Any) -> tuple[GuardedRunner, web.TCPSite, str]:
+    """Start `app` on `where` (port 0: a free one); returns the runner, the site and the URL."""
+    runner = GuardedRunner(app, access_log=None, logger=SERVER_LOG, keepalive_timeout=header_timeout_s,
+                           on_refused=on_refused, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, where.host, where.port, reuse_address=True, backlog=backlog)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    server: Any = site._server
+    port = server.sockets[0].getsockname()[1]
+    host = f"[{where.host}]" if ":" in where.host else where.host
+    return runner, site, f"http://{host}:{port}"

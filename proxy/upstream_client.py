@@ -1,0 +1,114 @@
+"""The client side of the forwarding path: the pooled session to the upstream.
+
+Connections are pooled: a fresh one per request costs a connect and an accept on the critical
+path of every first token. A pooled connection idles at most POOLED_IDLE_S, less than the
+keep-alive timeouts of uvicorn (vLLM) and cpp-httplib (llama-server), 5 s each. A server may still
+close one while it sits in the pool (llama-server closes after every streamed response despite
+`Keep-Alive`): before a pooled connection carries a request, the connector looks whether the
+server has closed it, and opens a fresh one instead, so a request is never written into a closed
+socket and never has to be sent twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import select
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import structlog
+
+from proxy.config import ProxyConfig
+
+_log = structlog.get_logger("llm_diag_proxy")
+POOLED_IDLE_S = 3.0
+
+
+def peer_closed(connection: aiohttp.connector.Connection) -> bool:
+    """True when the server has closed (or written on) an idle connection: its socket is readable.
+
+    An idle HTTP/1.1 connection has nothing to read; readable means a FIN, a reset, or bytes that
+    belong to no request. One poll(2) with no wait, on the connection's own descriptor.
+    """
+    protocol = connection.protocol
+    transport = protocol.transport if protocol is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and readable(sock.fileno())
+
+
+def readable(fd: int) -> bool:
+    """The descriptor has something to read (data, a FIN, an error) right now."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+class LivenessCheckedConnector(aiohttp.TCPConnector):
+    """A TCPConnector that never hands out a pooled connection the server has already closed."""
+
+    stale_closed = 0  # pooled connections found closed by the server, process-wide
+
+    async def _get(self, key: Any, traces: Any) -> Any:  # aiohttp >= 3.11: (key, traces), async
+        while True:
+            connection = await super()._get(key, traces)
+            if connection is None or not peer_closed(connection):
+                return connection
+            LivenessCheckedConnector.stale_closed += 1
+            connection.close()
+
+
+def _liveness_hook_fits() -> bool:
+    """The check overrides a private method of aiohttp: only where its shape is the one written for."""
+    method = getattr(aiohttp.TCPConnector, "_get", None)
+    if method is None or not inspect.iscoroutinefunction(method):
+        return False
+    return list(inspect.signature(method).parameters) == ["self", "key", "traces"]
+
+
+class SendCount:
+    """How many times aiohttp sent one request: it sends an idempotent request (GET, PUT, ...) once
+    more when a pooled connection dies under it (RFC 9112 section 9.3.1), never a POST."""
+
+    __slots__ = ("sends",)
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    @property
+    def retries(self) -> int:
+        return max(0, self.sends - 1)
+
+
+async def _count_send(_session: aiohttp.ClientSession, context: SimpleNamespace,
+                      _params: aiohttp.TraceRequestHeadersSentParams) -> None:
+    count = context.trace_request_ctx
+    if isinstance(count, SendCount):
+        count.sends += 1
+
+
+def send_count_trace() -> aiohttp.TraceConfig:
+    """The trace that counts each send of a request (a retry writes its headers a second time)."""
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_count_send)
+    return trace
+
+
+def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
+    """The client session to the upstream: no decompression (bytes pass as sent), no cookie jar
+    (clients must not share cookies), no proxy settings from the environment, no pool limit."""
+    options: dict[str, Any] = {"limit": 0, "keepalive_timeout": POOLED_IDLE_S, "enable_cleanup_closed": True}
+    if _liveness_hook_fits():
+        connector: aiohttp.TCPConnector = LivenessCheckedConnector(**options)
+    else:  # pragma: no cover - another aiohttp: pool without the check, and say so once
+        _log.warning("upstream_pool_unchecked", aiohttp=aiohttp.__version__,
+                     note="this aiohttp has another connector shape: pooled connections are not checked")
+        connector = aiohttp.TCPConnector(**options)
+    return aiohttp.ClientSession(
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        trust_env=False,
+        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
+        connector=connector,
+        trace_configs=[send_count_trace()],
+    )
