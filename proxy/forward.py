@@ -98,6 +98,18 @@ def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[Non
         "the upstream connection closed without ending the body (invalid framing)"))
 
 
+class RelayedResponse(web.StreamResponse):
+    """The upstream's response head as aiohttp sends it, less the `Content-Type` aiohttp adds to a
+    body the upstream sent without one: a proxy passes on what the server said, not a guess."""
+
+    without_content_type = False
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        if self.without_content_type:
+            self.headers.popall("Content-Type", None)
+
+
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
@@ -284,8 +296,9 @@ class _Exchange:
 
     async def _relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         recorder, deadlines = self.recorder, self.deadlines
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=_filtered(upstream.headers, _RESPONSE_SKIP))
+        response = RelayedResponse(status=upstream.status, reason=upstream.reason,
+                                   headers=_filtered(upstream.headers, _RESPONSE_SKIP))
+        response.without_content_type = "Content-Type" not in upstream.headers
         if upstream.content_length is not None and "chunked" not in upstream.headers.get(
                 "Transfer-Encoding", "").lower():
             response.content_length = upstream.content_length

@@ -7,9 +7,8 @@ from dataclasses import replace
 import pytest
 
 from proxy.classify import WireFacts, classify, is_oom, length_cause
-from proxy.concurrency import InFlightTracker
+from proxy.concurrency import InFlightTracker, concurrency_bucket
 from proxy.events import ErrorEvent, Finish
-from proxy.concurrency import concurrency_bucket
 
 BASE = WireFacts(inference=True, status=200, finish=Finish("stop", "eos"), done=True)
 

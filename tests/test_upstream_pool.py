@@ -5,8 +5,8 @@ never sent twice: a POST that dies on a reused connection is a 502, a GET is sen
 from __future__ import annotations
 
 import asyncio
-import time
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
