@@ -13,7 +13,6 @@ import functools
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,6 +27,7 @@ from proxy.config import ProxyConfig
 from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
+from proxy.request_body import Outgoing, RequestBody
 from proxy.upstream_client import SendCount
 
 REQUEST_ID = "X-Request-Id"
@@ -155,7 +155,7 @@ class Forwarder:
             self.active.discard(deadlines)
             peak, mean = tracker.release(slot) if slot is not None else (at_start, float(at_start))
             recorder.concurrency(at_start, peak, mean)
-            self.budget.release(exchange.held)
+            exchange.body.release()
             exchange.finish()
 
 
@@ -169,8 +169,7 @@ class _Exchange:
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
         self.body_cap = forwarder.config.request_body_cap_bytes
-        self.budget = forwarder.budget
-        self.held = 0  # request body bytes reserved from the budget
+        self.body = RequestBody(request, forwarder.budget)
         self.request = request
         self.recorder = recorder
         self.deadlines = deadlines
@@ -178,48 +177,16 @@ class _Exchange:
         self.notified_start = False
         self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
 
-    # --- the request ------------------------------------------------------------------------
-    async def _request_body(self) -> bytearray | AsyncIterator[bytes | bytearray] | None:
-        """The body to send on: held whole (one copy, read for diagnosis and sent as it is) when it
-        fits the parse cap and the process-wide budget, else streamed on unread."""
-        request = self.request
-        if not request.body_exists:
-            self.recorder.request_body(None)
-            return None
-        cap, budget = self.body_cap, self.budget
-        head = bytearray()
-        while True:
-            chunk = await request.content.readany()
-            if not chunk:
-                self.recorder.request_body(head)
-                return head
-            if len(head) + len(chunk) > cap:
-                note = f"request body over the {cap}-byte parse cap: not parsed"
-            elif not budget.reserve(len(chunk)):
-                note = "the process-wide parse budget (--parse-budget) was spent: request body not parsed"
-            else:
-                self.held += len(chunk)
-                head += chunk
-                continue
-            budget.release(self.held)
-            self.held = 0
-            self.recorder.request_body(None, note)
-            return self._body_stream(head, chunk)
-
-    async def _body_stream(self, head: bytearray, chunk: bytes) -> AsyncIterator[bytes | bytearray]:
-        yield head
-        yield chunk
-        async for rest in self.request.content.iter_any():
-            yield rest
-
     # --- the exchange -------------------------------------------------------------------------
     async def forward(self) -> web.StreamResponse:
         recorder = self.recorder
+        body = self.body
         try:
-            body = await self._request_body()
+            await body.read(self.body_cap)
         except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
+        recorder.request_body(body.held, body.note)
         self._notify_start()
         url = URL(self.base + self.request.rel_url.raw_path_qs, encoded=True)
         headers = _filtered(self.request.headers, _REQUEST_SKIP)
@@ -230,7 +197,7 @@ class _Exchange:
             headers["Authorization"] = self.authorization
         try:
             async with self.deadlines.guard():
-                upstream = await self._send(url, headers, body)
+                upstream = await self._send(url, headers, body.outgoing(headers))
         except TimeoutError:
             fired = self.deadlines.fired
             if fired == "shutdown":
@@ -260,8 +227,7 @@ class _Exchange:
         finally:
             upstream.close()
 
-    async def _send(self, url: URL, headers: CIMultiDict[str],
-                    body: bytearray | AsyncIterator[bytes | bytearray] | None) -> aiohttp.ClientResponse:
+    async def _send(self, url: URL, headers: CIMultiDict[str], body: Outgoing) -> aiohttp.ClientResponse:
         """Send the request once; the record counts what aiohttp sent again.
 
         A pooled connection the server closed while idle is never written on (see
@@ -299,12 +265,14 @@ class _Exchange:
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
                                    headers=_filtered(upstream.headers, _RESPONSE_SKIP))
         response.without_content_type = "Content-Type" not in upstream.headers
-        if upstream.content_length is not None and "chunked" not in upstream.headers.get(
-                "Transfer-Encoding", "").lower():
-            response.content_length = upstream.content_length
+        length = upstream.content_length
+        if length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower():
+            response.content_length = length
+        else:
+            length = None
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
-        recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""))
+        recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
         await response.prepare(self.request)
         feed = recorder.chunk
         read = upstream.content.readany

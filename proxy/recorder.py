@@ -12,13 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import orjson
-
 from proxy.budget import UNLIMITED, ByteBudget
 from proxy.classify import WireFacts, classify
 from proxy.dialects import FALLBACK, route_of
 from proxy.dialects.base import Dialect
-from proxy.parsers import parser_for
+from proxy.parsers import load_json, parser_for
 from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind
 from proxy.tally import StreamTally
 
@@ -42,8 +40,8 @@ def read_request(dialect: Dialect, body: bytes | bytearray) -> RequestInfo:
         info.body_note = "empty body"
         return info
     try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        obj = load_json(body)
+    except ValueError:
         info.body_note = "request body is not JSON"
         return info
     if not isinstance(obj, dict):
@@ -125,7 +123,8 @@ class Recorder:
         record.request_note = info.body_note if info.body_note != "empty body" else None
 
     # --- the response ---------------------------------------------------------------------
-    def response_head(self, status: int, content_type: str, content_encoding: str = "") -> None:
+    def response_head(self, status: int, content_type: str, content_encoding: str = "",
+                      content_length: int | None = None) -> None:
         """The upstream answered: generations and any error body are read."""
         self.record.status = status
         if self.inference or status >= 400:
@@ -133,7 +132,7 @@ class Recorder:
             self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
                                                 max_line=self._limits.max_line_bytes,
                                                 body_cap=self._limits.body_cap_bytes,
-                                                budget=self._limits.budget))
+                                                budget=self._limits.budget, content_length=content_length))
 
     def chunk(self, data: bytes, now: float) -> None:
         """A chunk of the response body, already on its way to the client."""

@@ -247,6 +247,83 @@ async def test_bodies_past_the_process_wide_parse_budget_pass_unread(
     assert proxy.forwarder.budget.used == 0  # everything held was given back
 
 
+async def test_big_bodies_of_declared_length_are_read_first_come_first_served(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    """Five bodies at once, room for two: two are read, three pass unread. Taken piece by piece,
+    all five would each hold part of the budget and all five fail."""
+    body_size = 400_000
+    proxy = await make_proxy(upstream.url, parse_budget_bytes=2 * body_size + 1000)
+    big = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "x" * body_size}]})
+    for _i in range(5):
+        upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS, first_delay=0.3))
+    sent = [client.post(proxy.proxy_url + "/v1/chat/completions", data=big,
+                        headers={"X-Request-Id": f"fc-{i}", "Content-Type": "application/json"}) for i in range(5)]
+    for response in await asyncio.gather(*sent):
+        await response.read()
+    records = [await record_for(proxy, f"fc-{i}") for i in range(5)]
+    assert sum(r.model == "m" for r in records) == 2
+    assert sum("parse budget" in (r.request_note or "") for r in records) == 3
+    assert proxy.forwarder.budget.used == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("size", [3 * 1024 * 1024 + 7, 40 * 1024 * 1024], ids=["read", "over-the-cap"])
+async def test_a_big_body_goes_upstream_identical_and_framed_as_the_client_framed_it(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, size: int, chunked: bool) -> None:
+    """A held body is sent from its one buffer in slices, with its length; one over the cap is
+    streamed on with the client's own Content-Length, or chunked when the client chunked it."""
+    proxy = await make_proxy(upstream.url)
+    body = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "y" * size}]})
+    upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS))
+
+    async def pieces():  # type: ignore[no-untyped-def]
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+
+    async with aiohttp.ClientSession() as session, session.post(
+            proxy.proxy_url + "/v1/chat/completions", data=pieces() if chunked else body,
+            headers={"X-Request-Id": "big-body", "Content-Type": "application/json"}) as response:
+        assert response.status == 200
+        await response.read()
+    seen = upstream.seen[-1]
+    assert seen.body == body
+    record = await record_for(proxy, "big-body")
+    if size < proxy.config.request_body_cap_bytes:
+        assert record.model == "m" and record.request_note is None
+        assert seen.headers.get("Content-Length") == str(len(body))
+    else:
+        assert record.model is None and "parse cap" in (record.request_note or "")
+        if chunked:
+            assert seen.headers.get("Transfer-Encoding") == "chunked" and "Content-Length" not in seen.headers
+        else:
+            assert seen.headers.get("Content-Length") == str(len(body))
+            assert "Transfer-Encoding" not in seen.headers
+    assert proxy.forwarder.budget.used == 0
+
+
+async def test_a_json_answer_declared_over_the_cap_is_never_held(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    proxy = await make_proxy(upstream.url, response_body_cap_bytes=100_000)
+    answer = openai_completion(3)[:-1] + b', "padding": "' + b"p" * 300_000 + b'"}'
+    upstream.push(Script([answer[:150_000], answer[150_000:]], headers=JSON_HEADERS, content_length=True,
+                         delay=0.2))
+    seen_used: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen_used.append(proxy.forwarder.budget.used)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    async with client.post(proxy.proxy_url + "/v1/chat/completions", json={"model": "m"},
+                           headers={"X-Request-Id": "too-big"}) as response:
+        assert await response.read() == answer
+    watcher.cancel()
+    record = await record_for(proxy, "too-big")
+    assert record.parse_error and "parse cap" in (record.parse_error_detail or "")
+    assert max(seen_used) < 100  # the request body only: judged on its Content-Length, no byte of the answer held
+
+
 # --- 7. Expect: 100-continue ---------------------------------------------------------------------
 
 async def test_a_client_that_expects_100_continue_gets_its_answer(upstream: ScriptedUpstream,

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects import dialect_named, llamacpp, ollama, openai
 from proxy.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.lines import LineSplitter
-from proxy.parsers import parser_for
+from proxy.parsers import ORJSON_MAX_BYTES, load_json, parser_for
 from proxy.recorder import read_request
 from proxy.sse import SseDecoder
 from tests.support.chunking import split_at
@@ -147,3 +150,37 @@ def test_events_do_not_depend_on_chunk_boundaries(stream: tuple[tuple[str, str],
 def test_parsers_never_raise_on_arbitrary_bytes(data: bytes, cuts: list[int], media: str) -> None:
     for dialect in ("openai", "ollama", "llamacpp", "anthropic", "responses"):
         feed_all((dialect, media), split_at(data, cuts))
+
+
+# --- big documents: bounded memory, same reading ----------------------------------------------------
+
+def test_a_big_request_is_read_with_memory_bounded_by_twice_its_size() -> None:
+    """orjson sets aside about 13 times its input before parsing; a 12 MiB request read that way
+    would take some 150 MiB for a moment. Big documents go to the standard library's parser."""
+    body = bytearray(orjson.dumps({"model": "m", "max_tokens": 9, "stop": ["\n"], "seed": 4,
+                                   "messages": [{"role": "user", "content": "é" * (6 << 20)}]}))
+    tracemalloc.start()
+    try:
+        info = read_request(openai.DIALECT, body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (info.model, info.requested_max_tokens, info.stop_requested, info.seed) == ("m", 9, True, 4)
+    assert peak < 2.5 * len(body)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**60, 2**60) | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=30))
+@settings(max_examples=100)
+def test_big_and_small_documents_are_read_alike(value: object) -> None:
+    document = orjson.dumps({"padding": "p" * (ORJSON_MAX_BYTES + 1), "value": value})
+    assert load_json(document)["value"] == orjson.loads(document)["value"]
+
+
+def test_a_big_document_nested_too_deep_is_unreadable_not_an_exception() -> None:
+    deep = b'{"padding": "' + b"p" * ORJSON_MAX_BYTES + b'", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_json(deep)
+    info = read_request(openai.DIALECT, deep)
+    assert info.body_note == "request body is not JSON" and not info.body_parsed
