@@ -83,8 +83,8 @@ class ProxyMetrics:
         self.upstream_errors = Counter(
             "llm_proxy_upstream_errors", "Upstream failures by kind.", ["kind"], registry=r)
         self.upstream_retries = Counter(
-            "llm_proxy_upstream_retries", "Requests sent again because a pooled upstream connection "
-            "turned out closed by the server.", registry=r)
+            "llm_proxy_upstream_retries", "Idempotent requests (GET, HEAD, ...) sent again on a fresh "
+            "connection because a pooled one broke under them; a POST is never sent twice.", registry=r)
         self.parse_errors = Counter(
             "llm_proxy_parse_errors", "Responses whose bytes the parser could not fully read.",
             ["dialect"], registry=r)

@@ -354,7 +354,8 @@ class RunningSimulator:
 async def start_simulator(config: SimulatorConfig, host: str = "127.0.0.1", port: int = 0) -> RunningSimulator:
     """Start the simulator on host:port (0 = a free port) and return once it listens."""
     app = build_app(config)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # a simulator stops at once on SIGTERM: open streams get 1 s, not aiohttp's default 60
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
