@@ -28,7 +28,7 @@ from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
 from proxy.request_body import Outgoing, RequestBody
-from proxy.upstream_client import SendCount
+from proxy.upstream_client import SendCount, streamed
 
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
@@ -270,6 +270,7 @@ class _Exchange:
             response.content_length = length
         else:
             length = None
+            streamed(self.session, upstream)
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)

@@ -3,16 +3,24 @@
 Connections are pooled: a fresh one per request costs a connect and an accept on the critical
 path of every first token. A pooled connection idles at most POOLED_IDLE_S, less than the
 keep-alive timeouts of uvicorn (vLLM) and cpp-httplib (llama-server), 5 s each. A server may still
-close one while it sits in the pool (llama-server closes after every streamed response despite
-`Keep-Alive`): before a pooled connection carries a request, the connector looks whether the
-server has closed it, and opens a fresh one instead, so a request is never written into a closed
-socket and never has to be sent twice.
+close one while it sits in the pool: before a pooled connection carries a request, the connector
+looks whether the server has closed it, and opens a fresh one instead, so a request is never
+written into a closed socket and never has to be sent twice.
+
+That look cannot see a close still on its way. llama-server closes its connection after every
+streamed response despite `Keep-Alive`, a few milliseconds after the last byte: a request taken
+from the pool in between (the next one of a client that asks right after an answer) would be
+written into a socket the server is closing, and be lost. So a connection that carried a
+streamed answer rests SETTLE_S in the pool before it is used again; a request in that time gets
+another connection or a fresh one.
 """
 
 from __future__ import annotations
 
 import inspect
 import select
+import time
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +31,9 @@ from proxy.config import ProxyConfig
 
 _log = structlog.get_logger("llm_diag_proxy")
 POOLED_IDLE_S = 3.0
+# llama-server's close came 1-2 ms after the last byte of a stream on an idle machine (a request
+# sent into that window got no answer in 11 of 100 tries); a wide margin for a loaded one.
+SETTLE_S = 0.25
 
 
 def peer_closed(connection: aiohttp.connector.Connection) -> bool:
@@ -45,17 +56,62 @@ def readable(fd: int) -> bool:
 
 
 class LivenessCheckedConnector(aiohttp.TCPConnector):
-    """A TCPConnector that never hands out a pooled connection the server has already closed."""
+    """A TCPConnector that never hands out a pooled connection the server has already closed,
+    nor, for SETTLE_S after it was released, one that carried a streamed answer."""
 
     stale_closed = 0  # pooled connections found closed by the server, process-wide
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._streamed: weakref.WeakSet[object] = weakref.WeakSet()  # protocols whose answer streamed
+
+    def streamed(self, response: aiohttp.ClientResponse) -> None:
+        """This answer has no length (a stream): its connection rests before it is used again.
+
+        A short stream may have ended, and its connection gone back to the pool, before the
+        response reached the caller; aiohttp's response keeps its protocol (`_protocol`) for that.
+        """
+        protocol = getattr(response, "_protocol", None)  # (a protocol is a queue: empty, it is falsy)
+        if protocol is None and response.connection is not None:
+            protocol = response.connection.protocol
+        if protocol is not None:
+            self._streamed.add(protocol)
+
     async def _get(self, key: Any, traces: Any) -> Any:  # aiohttp >= 3.11: (key, traces), async
-        while True:
-            connection = await super()._get(key, traces)
-            if connection is None or not peer_closed(connection):
-                return connection
-            LivenessCheckedConnector.stale_closed += 1
-            connection.close()
+        resting = self._take_resting(key)
+        try:
+            while True:
+                connection = await super()._get(key, traces)
+                if connection is None or not peer_closed(connection):
+                    if connection is not None:
+                        self._streamed.discard(connection.protocol)
+                    return connection
+                LivenessCheckedConnector.stale_closed += 1
+                connection.close()
+        finally:
+            if resting:  # back at the head of the pool, in their order
+                self._conns[key].extendleft(reversed(resting))
+
+    def _take_resting(self, key: Any) -> list[tuple[Any, float]]:
+        """Take out of the pool, for one lookup, the streamed connections released under SETTLE_S
+        ago (the pool is in release order, oldest first)."""
+        conns = self._conns.get(key)
+        if not conns or not self._streamed:
+            return []
+        now = time.monotonic()
+        resting = []
+        for entry in list(conns):
+            if entry[0] in self._streamed and now - entry[1] < SETTLE_S:
+                resting.append(entry)
+                conns.remove(entry)
+        return resting
+
+
+def streamed(session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
+    """Tell the pool that `response` streams (see SETTLE_S)."""
+    connector = session.connector
+    if isinstance(connector, LivenessCheckedConnector):
+        connector.streamed(response)
 
 
 def _liveness_hook_fits() -> bool:

@@ -19,6 +19,9 @@ from tests.support.proxies import ProxyFactory, record_for
 ANSWER = orjson.dumps({"id": "cmpl-1", "object": "chat.completion", "model": "m", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
 REQUEST = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "x"}]})
+STREAM_REQUEST = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+STREAM = (b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":'
+          b'{"content":"hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
 
 
 @dataclass
@@ -29,6 +32,7 @@ class KeepAliveUpstream:
 
     answer_per_connection: int | None = None
     close_after_answer: bool = False  # llama-server: answers with Keep-Alive, then closes anyway
+    close_after_stream_s: float | None = None  # llama-server: closes this long after a streamed answer
     connections: int = 0
     answered: int = 0
     dropped: int = 0
@@ -58,6 +62,12 @@ class KeepAliveUpstream:
                 served += 1
                 self.answered += 1
                 self.bodies.append(body)
+                if self.close_after_stream_s is not None and b'"stream":true' in body:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(STREAM), STREAM))
+                    await writer.drain()
+                    await asyncio.sleep(self.close_after_stream_s)  # what arrives meanwhile is never read
+                    break
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(ANSWER) + ANSWER)
                 await writer.drain()
@@ -131,6 +141,20 @@ async def test_a_server_that_closes_after_every_answer_never_costs_a_502(
     assert (keepalive.connections, keepalive.answered, keepalive.dropped) == (40, 40, 0)
     for i in range(40):
         assert (await record_for(proxy, f"closing-{i}")).upstream_retries == 0
+
+
+async def test_a_request_right_after_a_stream_never_meets_the_servers_close_on_its_way(
+        keepalive: KeepAliveUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    """llama-server closes a few ms after a stream's last byte: too late for the pool's look to see,
+    soon enough to lose the next request. A connection that carried a stream rests before reuse."""
+    keepalive.close_after_stream_s = 0.02
+    proxy = await make_proxy(keepalive.url)
+    for i in range(20):
+        status, _ = await post(client, proxy.proxy_url, f"stream-{i}", STREAM_REQUEST)
+        assert status == 200
+        assert await post(client, proxy.proxy_url, f"next-{i}") == (200, ANSWER)
+    assert keepalive.answered == 40
+    assert proxy.store.get("next-19").stop_reason == "eos"  # type: ignore[union-attr]
 
 
 async def test_a_fresh_connection_that_dies_is_not_retried(
