@@ -52,7 +52,7 @@ class ResponseParser(Protocol):
 
 def _interpret(interpret: Interpret, payload: bytes | bytearray) -> list[Event]:
     try:
-        return interpret(load_json(payload))
+        return interpret(orjson.loads(payload) if len(payload) <= ORJSON_MAX_BYTES else load_json(payload))
     except (ValueError, TypeError, AttributeError) as exc:
         return [ParseError(f"{type(exc).__name__}: {str(exc)[:200]}")]
 
