@@ -25,16 +25,47 @@ DASHBOARD_UID = "llm-diag-proxy"
 DASHBOARD_TITLE = "LLM diag proxy: are answers cut, and why"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
-# Label selectors shared by the panels: the dashboard's instance and model variables.
-INST = 'instance=~"$instance"'
-IM = 'instance=~"$instance",model=~"$model"'
-ANSWERS = f'llm_proxy_requests_total{{{IM},stop_reason!="not_inference"}}'
-CUT = f'llm_proxy_requests_total{{{IM},stop_reason!~"eos|stop_sequence|tool_calls|not_inference"}}'
+# Label selectors shared by the panels: the dashboard's job, instance and model variables.
+JI = 'job=~"$job",instance=~"$instance"'
+JIM = f'{JI},model=~"$model"'
+REQ = "llm_proxy_requests_total"
+ANSWERS = f'{REQ}{{{JIM},outcome!="not_inference"}}'
 W = "[$__rate_interval]"
+# Series the dashboard falls back on where NVIDIA's DCGM exporter is scraped and the proxy's own
+# NVML telemetry is not (memory in MiB there, utilization in percent).
+DCGM_USED = "DCGM_FI_DEV_FB_USED * 1048576"
+DCGM_FREE = "DCGM_FI_DEV_FB_FREE * 1048576"
+DCGM_UTIL = "DCGM_FI_DEV_GPU_UTIL / 100"
 
 
-def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
-    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+def answers_where(selector: str, window: str = W) -> str:
+    """Answers per second matching `selector` (added to the variables' selector)."""
+    return f"rate({REQ}{{{JIM},{selector}}}{window})"
+
+
+def ratio(numerator: str, denominator: str, by: str = "") -> str:
+    """numerator / denominator, two rates of one counter (the numerator's series a subset of the
+    denominator's): 0 where the numerator has no series, nothing where the denominator is 0."""
+    group = f" by ({by})" if by else ""
+    return (f"(sum{group} ({numerator}) or sum{group} ({denominator}) * 0) / "
+            f"(sum{group} ({denominator}) > 0)")
+
+
+def share(selector: str, by: str = "", window: str = W) -> str:
+    """The share of all answers that match `selector`: numerator and denominator from one counter."""
+    return ratio(answers_where(selector, window), f"rate({ANSWERS}{window})", by)
+
+
+def records_link(query: str) -> dict[str, Any]:
+    """A data link to the proxy's records for the series clicked (the admin_url variable)."""
+    return {"title": "Records on the proxy", "url": "${admin_url}/api/requests?" + query, "targetBlank": True}
+
+
+def target(expr: str, legend: str, ref: str, exemplar: bool = False) -> dict[str, Any]:
+    result = {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+    if exemplar:  # the exemplars of a histogram: each names a request, linked to its record
+        result["exemplar"] = True
+    return result
 
 
 def panel(kind: str, title: str, description: str, grid: tuple[int, int, int, int],
@@ -51,13 +82,16 @@ def panel(kind: str, title: str, description: str, grid: tuple[int, int, int, in
         "description": description,
         "datasource": DATASOURCE,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "targets": [target(expr, legend, chr(ord("A") + n)) for n, (expr, legend) in enumerate(targets)],
-        "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": options.pop("overrides", [])},
+        "targets": [target(expr, legend, chr(ord("A") + n), exemplar=options.get("exemplars", False))
+                    for n, (expr, legend) in enumerate(targets)],
+        "fieldConfig": {"defaults": {"unit": unit, "custom": custom, "links": options.pop("links", [])},
+                        "overrides": options.pop("overrides", [])},
         "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
                     "tooltip": {"mode": "multi", "sort": "desc"}} if kind == "timeseries" else
                    {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                     "colorMode": "value", "graphMode": "area", "textMode": "auto"},
     }
+    options.pop("exemplars", None)
     result.update(options)
     return result
 
@@ -79,119 +113,161 @@ def quantile(q: float, metric: str, selector: str, by: str = "concurrency") -> s
 
 def panels() -> list[dict[str, Any]]:
     """The dashboard, top to bottom: the verdict first, then why, then speed, memory and failures."""
+    cut = answers_where('outcome="cut"')
+    budget = answers_where('outcome="budget"')
+    budget_reasoning = answers_where('outcome="budget",reasoning="mostly"')
+    length = answers_where('stop_reason="length"')
+    length_reasoning = answers_where('stop_reason="length",reasoning="mostly"')
     return [
-        panel("stat", "Answers cut (5m)", "Share of answers that did not end on their own (eos, stop "
-              "sequence, tool call) over the last 5 minutes.", (0, 0, 6, 4),
-              [(f"sum(rate(llm_proxy_truncated_total{{{IM}}}[5m])) / sum(rate({ANSWERS}[5m]))", "cut")],
-              unit="percentunit"),
+        panel("stat", "Answers cut by the serving layer (5m)", "Share of answers the serving layer ended "
+              "(outcome cut: a server limit, an error, a deadline, a refusal) over the last 5 minutes. Answers "
+              "that stopped at the client's own max_tokens are not cuts: they have their own figure.",
+              (0, 0, 5, 4), [(share('outcome="cut"', window="[5m]"), "cut")], unit="percentunit",
+              links=[records_link("outcome=cut")]),
+        panel("stat", "Answers at the client's budget (5m)", "Share of answers that stopped at the max_tokens "
+              "the client asked for (outcome budget): the client's choice, not a cut.", (5, 0, 5, 4),
+              [(share('outcome="budget"', window="[5m]"), "budget")], unit="percentunit",
+              links=[records_link("outcome=budget")]),
         panel("stat", "Answers per second", "Inference responses per second (scrapes and model listings "
-              "left out).", (6, 0, 6, 4), [(f"sum(rate({ANSWERS}{W}))", "answers/s")], unit="reqps"),
-        panel("stat", "In flight", "Inference requests in flight through the proxy now.", (12, 0, 6, 4),
-              [(f"sum(llm_proxy_in_flight{{{INST}}})", "in flight")]),
+              "left out).", (10, 0, 4, 4), [(f"sum(rate({ANSWERS}{W}))", "answers/s")], unit="reqps"),
+        panel("stat", "Output tokens per second", "Output tokens delivered per second through the proxy "
+              "(usage when the server reports it, else counted).", (14, 0, 4, 4),
+              [(f"sum(rate(llm_proxy_output_tokens_sum{{{JIM}}}{W}))", "tokens/s")]),
+        panel("stat", "In flight", "Inference requests in flight through the proxy now.", (18, 0, 3, 4),
+              [(f"sum(llm_proxy_in_flight{{{JI}}})", "in flight")]),
         panel("stat", "Proxies up", "Proxy targets Prometheus scrapes successfully, of all it knows.",
-              (18, 0, 6, 4), [(f'sum(up{{job="llm-diag-proxy",{INST}}})', "up"),
-                              (f'count(up{{job="llm-diag-proxy",{INST}}})', "known")]),
+              (21, 0, 3, 4), [(f"sum(up{{{JI}}})", "up"), (f"count(up{{{JI}}})", "known")]),
         row("Are answers cut, and why", 4),
-        panel("timeseries", "Stop-reason mix", "How responses ended, as a share of all answers. Anything "
-              "but eos, stop_sequence and tool_calls is a cut answer; records: /api/requests?stop_reason=...",
-              (0, 5, 12, 8), [(f"sum by (stop_reason) (rate({ANSWERS}{W}))", "{{stop_reason}}")],
-              unit="reqps", stacking="percent"),
-        panel("timeseries", "Truncation ratio by cause", "Cut answers by cause, as a share of all answers. "
-              "server_limit: a length stop below the max_tokens the client asked for (the server's "
-              "context limit).", (12, 5, 12, 8),
-              [(f"sum by (cause) (rate(llm_proxy_truncated_total{{{IM}}}{W})) "
-                f"/ on () group_left () sum(rate({ANSWERS}{W}))", "{{cause}}")],
-              unit="percentunit"),
-        panel("timeseries", "Truncation ratio by concurrency", "Share of cut answers per concurrency bucket "
-              "(the peak number of requests in flight during each response). Rising with the bucket: load "
-              "cuts answers.", (0, 13, 12, 8),
-              [(f"sum by (concurrency) (rate({CUT}{W})) / sum by (concurrency) (rate({ANSWERS}{W}))",
-                "c={{concurrency}}")], unit="percentunit"),
+        panel("timeseries", "Who ended the answers", "How answers ended, as a share of all: complete (on their "
+              "own), budget (at the client's max_tokens), cut (by the serving layer), client_gone, client_error "
+              "(a 4xx of the client's making), unknown (a length stop whose tokens were only counted, below the "
+              "budget: the wire cannot tell). Click a series for its records.", (0, 5, 12, 8),
+              [(f"sum by (outcome) (rate({ANSWERS}{W}))", "{{outcome}}")], unit="reqps", stacking="percent",
+              links=[records_link("outcome=${__field.labels.outcome}")]),
+        panel("timeseries", "Truncation ratio by cause", "Answers the serving layer cut, by cause, as a share "
+              "of all answers. server_limit: a length stop below the max_tokens the client asked for (a clamped "
+              "budget, the context ran out); an upstream error by kind (oom, http_5xx, reset, context_exhausted, "
+              "...); deadline, rejected, interrupted. Click a series for its records.", (12, 5, 12, 8),
+              [(f"sum by (cause) ({cut}) / on () group_left () (sum(rate({ANSWERS}{W})) > 0)", "{{cause}}")],
+              unit="percentunit", links=[records_link("cause=${__field.labels.cause}")]),
+        panel("timeseries", "Truncation ratio by concurrency", "Share of answers the serving layer cut, per "
+              "concurrency bucket (the peak number of requests in flight during each response). Rising with "
+              "the bucket: load cuts answers.", (0, 13, 12, 8),
+              [(share('outcome="cut"', by="concurrency"), "c={{concurrency}}")], unit="percentunit",
+              links=[records_link("outcome=cut&concurrency=${__field.labels.concurrency}")]),
+        panel("timeseries", "Answers that hit the client's budget", "Share of answers that stopped at the "
+              "max_tokens the client asked for, per concurrency bucket: the client's own limit, not the "
+              "server's. Reasoning models: the share of those whose budget went mostly (50% or more) to "
+              "thinking, so that the visible answer got what the thinking left.", (12, 13, 12, 8),
+              [(share('outcome="budget"', by="concurrency"), "at budget c={{concurrency}}"),
+               (ratio(budget_reasoning, budget), "of those, mostly reasoning")],
+              unit="percentunit", links=[records_link("cause=requested_budget")]),
         panel("timeseries", "Output tokens by concurrency", "Median output tokens per answer by concurrency "
-              "bucket, against the median budget clients asked for. Medians that fall as concurrency rises, "
-              "with the budget unchanged, mean the server shortens answers under load.", (12, 13, 12, 8),
-              [(quantile(0.5, "llm_proxy_output_tokens", f'{IM},stop_reason!="not_inference"'),
-                "p50 c={{concurrency}}"),
-               (f"histogram_quantile(0.5, sum by (le) (rate(llm_proxy_requested_max_tokens_bucket{{{IM}}}{W})))",
-                "requested max_tokens (p50)")]),
-        row("Speed under load", 21),
+              "bucket, against the mean budget clients asked for. Medians that fall as concurrency rises, with "
+              "the budget unchanged, mean the server shortens answers under load. Exemplars name a recent "
+              "request: hover one for its record.", (0, 21, 12, 8),
+              [(quantile(0.5, "llm_proxy_output_tokens", JIM), "p50 c={{concurrency}}"),
+               (f"sum(rate(llm_proxy_requested_max_tokens_sum{{{JIM}}}{W})) / "
+                f"sum(rate(llm_proxy_requested_max_tokens_count{{{JIM}}}{W}))", "requested max_tokens (mean)")],
+              exemplars=True),
+        panel("timeseries", "Cuts against in-flight and GPU memory", "Answers cut by cause (left axis, share of "
+              "all answers) on one time axis with the requests in flight and the GPU memory used (right axes): "
+              "cuts that rise with load and with full memory show here together.", (12, 21, 12, 8),
+              [(f"sum by (cause) ({cut}) / on () group_left () (sum(rate({ANSWERS}{W})) > 0)", "cut: {{cause}}"),
+               (f"sum(llm_proxy_in_flight{{{JI}}})", "in flight"),
+               (f"sum(llm_proxy_gpu_memory_used_bytes{{{JI}}}) or on () sum({DCGM_USED})", "GPU memory used")],
+              unit="percentunit", overrides=[right_axis("^in flight$", "short"),
+                                             right_axis("^GPU memory used$", "bytes")]),
+        row("Speed under load", 29),
         panel("timeseries", "Time to first token by concurrency", "p50 and p95 of the time from request to "
-              "the first content chunk, by concurrency bucket: queueing shows here first.", (0, 22, 12, 8),
-              [(quantile(0.5, "llm_proxy_time_to_first_token_seconds", IM), "p50 c={{concurrency}}"),
-               (quantile(0.95, "llm_proxy_time_to_first_token_seconds", IM), "p95 c={{concurrency}}")],
-              unit="s"),
+              "the first content chunk, by concurrency bucket: queueing shows here first. Exemplars name a "
+              "recent request.", (0, 30, 8, 8),
+              [(quantile(0.5, "llm_proxy_time_to_first_token_seconds", JIM), "p50 c={{concurrency}}"),
+               (quantile(0.95, "llm_proxy_time_to_first_token_seconds", JIM), "p95 c={{concurrency}}")],
+              unit="s", exemplars=True),
         panel("timeseries", "Inter-token latency by concurrency", "p50 and p95 of each response's mean gap "
-              "between content chunks, by concurrency bucket. Jumps with preemptions.", (12, 22, 12, 8),
-              [(quantile(0.5, "llm_proxy_inter_token_latency_seconds", IM), "p50 c={{concurrency}}"),
-               (quantile(0.95, "llm_proxy_inter_token_latency_seconds", IM), "p95 c={{concurrency}}")],
+              "between content chunks, by concurrency bucket. Jumps with preemptions.", (8, 30, 8, 8),
+              [(quantile(0.5, "llm_proxy_inter_token_latency_seconds", JIM), "p50 c={{concurrency}}"),
+               (quantile(0.95, "llm_proxy_inter_token_latency_seconds", JIM), "p95 c={{concurrency}}")],
               unit="s"),
-        row("Memory and the server's own state", 30),
+        panel("timeseries", "Throughput", "Output tokens per second by model (left axis) and answers per "
+              "second (right axis), as delivered through the proxy.", (16, 30, 8, 8),
+              [(f"sum by (model) (rate(llm_proxy_output_tokens_sum{{{JIM}}}{W}))", "tokens/s {{model}}"),
+               (f"sum(rate({ANSWERS}{W}))", "answers/s")],
+              overrides=[right_axis("^answers/s$", "reqps")]),
+        row("Memory and the server's own state", 38),
         panel("timeseries", "In flight vs GPU memory", "Requests in flight (left axis) and GPU memory used and "
               "free per GPU (right axis) on one time axis: where free memory runs out, at which concurrency. "
-              "Ollama: VRAM per loaded model too.", (0, 31, 24, 9),
-              [(f"sum(llm_proxy_in_flight{{{INST}}})", "in flight"),
-               (f"llm_proxy_gpu_memory_used_bytes{{{INST}}}", "used {{instance}} gpu{{gpu}}"),
-               (f"llm_proxy_gpu_memory_free_bytes{{{INST}}}", "free {{instance}} gpu{{gpu}}"),
-               (f"llm_proxy_upstream_model_vram_bytes{{{INST}}}", "model VRAM {{model}}")],
+              "From the proxy's NVML telemetry, or from NVIDIA's DCGM exporter where that is what Prometheus "
+              "scrapes. Ollama: VRAM per loaded model too.", (0, 39, 24, 9),
+              [(f"sum(llm_proxy_in_flight{{{JI}}})", "in flight"),
+               (f"llm_proxy_gpu_memory_used_bytes{{{JI}}} or on () {DCGM_USED}", "used {{instance}} gpu{{gpu}}"),
+               (f"llm_proxy_gpu_memory_free_bytes{{{JI}}} or on () {DCGM_FREE}", "free {{instance}} gpu{{gpu}}"),
+               (f"llm_proxy_upstream_model_vram_bytes{{{JI}}}", "model VRAM {{model}}")],
               overrides=[right_axis("^(used|free|model VRAM) .*", "bytes")]),
         panel("timeseries", "Upstream KV cache and preemptions", "The upstream's KV-cache usage (vLLM, left "
-              "axis) and preemptions in each interval (right axis): a full cache preempts and recomputes.",
-              (0, 40, 8, 8),
-              [(f"llm_proxy_upstream_kv_cache_usage_ratio{{{INST}}}", "KV usage {{instance}}"),
-               (f"increase(llm_proxy_upstream_preemptions{{{INST}}}{W})", "preemptions {{instance}}")],
+              "axis) and preemptions in each interval (right axis, from vLLM's own counter): a full cache "
+              "preempts and recomputes.", (0, 48, 8, 8),
+              [(f"llm_proxy_upstream_kv_cache_usage_ratio{{{JI}}}", "KV usage {{instance}}"),
+               (f"increase(llm_proxy_upstream_preemptions_total{{{JI}}}{W})", "preemptions {{instance}}")],
               unit="percentunit", overrides=[right_axis("^preemptions .*", "short")]),
         panel("timeseries", "Upstream queue: running and waiting", "What the upstream says it runs and queues, "
               "against what the proxy has in flight: waiting > 0 means requests queue in the server.",
-              (8, 40, 8, 8),
-              [(f"llm_proxy_upstream_requests_running{{{INST}}}", "running {{instance}}"),
-               (f"llm_proxy_upstream_requests_waiting{{{INST}}}", "waiting {{instance}}"),
-               (f"sum(llm_proxy_in_flight{{{INST}}})", "proxy in flight")]),
-        panel("timeseries", "GPU utilization", "NVML's utilization per GPU (0-1), and whether the proxy's GPU "
-              "and upstream telemetry work (1 = yes).", (16, 40, 8, 8),
-              [(f"llm_proxy_gpu_utilization_ratio{{{INST}}}", "util {{instance}} gpu{{gpu}}"),
-               (f"llm_proxy_gpu_telemetry_up{{{INST}}}", "GPU telemetry up {{instance}}"),
-               (f"llm_proxy_upstream_telemetry_up{{{INST}}}", "upstream telemetry up {{source}}")],
+              (8, 48, 8, 8),
+              [(f"llm_proxy_upstream_requests_running{{{JI}}}", "running {{instance}}"),
+               (f"llm_proxy_upstream_requests_waiting{{{JI}}}", "waiting {{instance}}"),
+               (f"sum(llm_proxy_in_flight{{{JI}}})", "proxy in flight")]),
+        panel("timeseries", "GPU utilization", "Utilization per GPU (0-1: the proxy's NVML, or DCGM's "
+              "DCGM_FI_DEV_GPU_UTIL), and whether the proxy's GPU and upstream telemetry work (1 = yes).",
+              (16, 48, 8, 8),
+              [(f"llm_proxy_gpu_utilization_ratio{{{JI}}} or on () {DCGM_UTIL}", "util {{instance}} gpu{{gpu}}"),
+               (f"llm_proxy_gpu_telemetry_up{{{JI}}}", "GPU telemetry up {{instance}}"),
+               (f"llm_proxy_upstream_telemetry_up{{{JI}}}", "upstream telemetry up {{source}}")],
               unit="percentunit"),
-        row("Failures", 48),
+        row("Failures", 56),
         panel("timeseries", "Client disconnects and deadline hits", "Clients that went away (before the first "
               "token: usually their own timeout while queued) and responses past the proxy's --deadline or "
               "--idle-timeout, per interval. Records: /api/requests?stop_reason=client_disconnect, "
-              "?stop_reason=deadline, ?stop_reason=idle_timeout.", (0, 49, 12, 8),
-              [(f"sum by (phase) (increase(llm_proxy_client_disconnects_total{{{INST}}}{W}))", "disconnect {{phase}}"),
-               (f"sum by (kind, mode) (increase(llm_proxy_deadline_hits_total{{{INST}}}{W}))",
-                "deadline {{kind}} ({{mode}})")]),
+              "?stop_reason=deadline, ?stop_reason=idle_timeout.", (0, 57, 12, 8),
+              [(f"sum by (phase) (increase(llm_proxy_client_disconnects_total{{{JI}}}{W}))", "disconnect {{phase}}"),
+               (f"sum by (kind, mode) (increase(llm_proxy_deadline_hits_total{{{JI}}}{W}))",
+                "deadline {{kind}} ({{mode}})")],
+              links=[records_link("stop_reason=client_disconnect")]),
         panel("timeseries", "Upstream errors and rejections", "Upstream failures per interval by kind (oom: "
               "out of memory; context_exhausted: the KV cache / context ran out, a pool the requests share; "
               "exceeds_context: a request larger than the context one request gets; http_status: an HTTP "
               "error other than 429/503), requests the server refused "
               "(429/503: load shedding) and responses the parser could not fully read. Records: "
               "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
-              (12, 49, 12, 8),
-              [(f"sum by (kind) (increase(llm_proxy_upstream_errors_total{{{INST}}}{W}))", "{{kind}}"),
-               (f'sum(increase(llm_proxy_requests_total{{{IM},stop_reason="rejected"}}{W}))', "rejected (429/503)"),
-               (f"sum by (dialect) (increase(llm_proxy_parse_errors_total{{{INST}}}{W}))", "parse error {{dialect}}")]),
-        panel("timeseries", "Length stops spent on reasoning", "Length stops per interval whose budget went "
-              "mostly (50% or more) to the model's thinking (reasoning models: delta.reasoning, thinking "
-              "blocks, reasoning_tokens), next to all length stops: the visible answer got what the "
-              "thinking left. Records: /api/requests?stop_reason=length (reasoning_share).", (0, 57, 24, 7),
-              [(f"sum by (model) (increase(llm_proxy_reasoning_exhausted_total{{{IM}}}{W}))",
-                "mostly reasoning {{model}}"),
-               (f'sum by (model) (increase(llm_proxy_requests_total{{{IM},stop_reason="length"}}{W}))',
-                "all length stops {{model}}")]),
-        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 64, "w": 24, "h": 4},
+              (12, 57, 12, 8),
+              [(f"sum by (kind) (increase(llm_proxy_upstream_errors_total{{{JI}}}{W}))", "{{kind}}"),
+               (f'sum(increase({REQ}{{{JIM},stop_reason="rejected"}}{W}))', "rejected (429/503)"),
+               (f"sum by (dialect) (increase(llm_proxy_parse_errors_total{{{JI}}}{W}))", "parse error {{dialect}}")],
+              links=[records_link("stop_reason=upstream_error")]),
+        panel("timeseries", "Length stops spent on reasoning", "Of the length stops of each cause (at the "
+              "client's budget, or below it: server_limit), the share whose budget went mostly (50% or more) "
+              "to the model's thinking (reasoning models: delta.reasoning, thinking blocks, reasoning_tokens): "
+              "the visible answer got what the thinking left. Records: /api/requests?stop_reason=length "
+              "(reasoning_share).", (0, 65, 24, 7),
+              [(ratio(length_reasoning, length, by="cause"), "mostly reasoning: {{cause}}")],
+              unit="percentunit", links=[records_link("stop_reason=length")]),
+        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 72, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
-             "Every response has a record on the proxy's admin port (default 127.0.0.1:9464): "
-             "`/api/requests?stop_reason=length` lists the answers cut for length, with the requested "
-             "budget, the output tokens, the concurrency and the GPU memory during the response. "
-             "Figures here are sums over the selected instances; ratios are computed after summing.")}},
+             "Every response has a record on the proxy's admin port (the `admin_url` variable above, default "
+             "http://127.0.0.1:9464): `/api/requests?outcome=cut` lists the answers the serving layer cut, "
+             "`?cause=server_limit` those stopped for length below the client's budget, each with the requested "
+             "budget, the output tokens, the concurrency and the GPU memory during the response. Every share "
+             "here is taken from one counter, numerator and denominator alike, after summing over the selected "
+             "instances: none can exceed 100%.")}},
     ]
 
 
-def variable(name: str, label: str, query: str) -> dict[str, Any]:
-    return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-            "query": query, "definition": query,
-            "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "sort": 1}
+def variable(name: str, label: str, query: str, *, every: bool = True) -> dict[str, Any]:
+    result = {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+              "query": query, "definition": query, "refresh": 2, "includeAll": every, "multi": every, "sort": 1}
+    if every:
+        result.update({"allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]}})
+    return result
 
 
 def dashboard() -> dict[str, Any]:
@@ -213,8 +289,15 @@ def dashboard() -> dict[str, Any]:
         "templating": {"list": [
             {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
              "current": {"selected": True, "text": "Prometheus", "value": "prometheus"}, "hide": 0},
-            variable("instance", "Instance", 'label_values(up{job="llm-diag-proxy"}, instance)'),
-            variable("model", "Model", 'label_values(llm_proxy_requests_total{instance=~"$instance"}, model)'),
+            # Jobs that export the proxy's metrics, whatever a deployment named them.
+            {**variable("job", "Job", "label_values(llm_proxy_in_flight, job)", every=False),
+             "current": {"selected": True, "text": "llm-diag-proxy", "value": "llm-diag-proxy"}},
+            variable("instance", "Instance", 'label_values(up{job=~"$job"}, instance)'),
+            variable("model", "Model", f'label_values({REQ}{{{JI}}}, model)'),
+            {"name": "admin_url", "label": "Proxy admin URL (for record links)", "type": "textbox",
+             "query": "http://127.0.0.1:9464",
+             "current": {"selected": True, "text": "http://127.0.0.1:9464", "value": "http://127.0.0.1:9464"},
+             "hide": 0},
         ]},
         "annotations": {"list": []},
         "links": [],

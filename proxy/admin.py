@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from proxy.concurrency import CONCURRENCY_BUCKETS
 from proxy.metrics import ProxyMetrics
@@ -98,7 +98,7 @@ async def write_records(request: web.Request, head: dict[str, object], records: 
 
 
 class UpstreamProbe:
-    """Readiness: can the upstream be reached? Probed at most once a second, whatever the traffic."""
+    """Can the upstream be reached? Said by /readyz; probed at most once a second, whatever the traffic."""
 
     def __init__(self, upstream: str, session: aiohttp.ClientSession, authorization: str | None = None) -> None:
         self.upstream = upstream
@@ -141,19 +141,28 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         return await handler(request)
 
     async def metrics_page(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # OpenMetrics when the scraper asks for it (Prometheus does): it carries the exemplars.
+        # Rendered off the event loop: thousands of lines take ~0.1 s of pure Python, which in a
+        # thread yields the loop every few ms (prometheus_client locks each metric as it copies it).
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
+        """Ready while the proxy can serve: a slow or absent upstream does not make it unready (that
+        would pull the only replica out of its Service while vLLM loads or stalls; upstream health
+        is a metric and an alert). `?upstream=required` asks for the upstream's answer as well."""
         if not ready():
-            return _json({"status": "not_ready", "upstream": probe.upstream, "detail": "the proxy is shutting down"},
-                         503)
-        ok, detail = await probe.check()
-        return _json({"status": "ready" if ok else "not_ready", "upstream": probe.upstream, "detail": detail},
-                     200 if ok else 503)
+            return _json({"status": "not_ready", "upstream": probe.upstream, "upstream_reachable": None,
+                          "detail": "the proxy is shutting down"}, 503)
+        reachable, detail = await probe.check()
+        strict = request.query.get("upstream") == "required"
+        status = "ready" if reachable or not strict else "not_ready"
+        return _json({"status": status, "upstream": probe.upstream, "upstream_reachable": reachable,
+                      "detail": detail}, 200 if status == "ready" else 503)
 
     async def list_requests(request: web.Request) -> web.StreamResponse:
         try:

@@ -9,23 +9,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from proxy.concurrency import concurrency_bucket
-from proxy.record import COMPLETE_STOP_REASONS, STOP_REASONS, UPSTREAM_ERROR_KINDS, ResponseRecord
+from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
-# The cause label of llm_proxy_truncated_total: every stop reason that is not a complete answer,
-# and server_limit (a length stop below the requested budget).
-TRUNCATION_CAUSES = (*(r for r in STOP_REASONS if r not in COMPLETE_STOP_REASONS and r != "not_inference"),
-                     "server_limit")
+# The cause label of llm_proxy_truncated_total: what the serving layer cut (outcome "cut").
+TRUNCATION_CAUSES = CUT_CAUSES
 OTHER_MODEL = "other"
 NO_MODEL = "none"
+
+# A `_created` sample per series doubles /metrics for no use here (Prometheus reads resets itself).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class _CallbackCounter(Collector):
@@ -48,32 +49,36 @@ class ProxyMetrics:
         self._other_started = False
         r = self.registry
         # --- per response -------------------------------------------------------------------
+        # Every ratio (dashboard, rules, alerts) is taken from this one counter, numerator and
+        # denominator alike, so that a series appearing for the first time (a new concurrency
+        # bucket, a new cause, a restart) weighs on both sides at once: no ratio exceeds 1.
         self.requests = Counter(
-            "llm_proxy_requests", "Responses by how they ended, with the concurrency bucket of their peak.",
-            ["route", "model", "stop_reason", "concurrency"], registry=r)
+            "llm_proxy_requests", "Responses by how they ended: stop_reason as recorded, cause (the stop "
+            "reason with length stops told by cause and upstream errors by kind), outcome (complete, budget, "
+            "cut, client_gone, client_error, unknown, not_inference), reasoning (mostly: a length stop whose "
+            "budget went mostly to thinking) and the concurrency bucket of the response's peak.",
+            ["route", "model", "stop_reason", "cause", "outcome", "reasoning", "concurrency"], registry=r)
         self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
                                "concurrency tracker at scrape time).", registry=r)
         self.output_tokens = Histogram(
-            "llm_proxy_output_tokens", "Output tokens per response (usage when reported, else counted).",
-            ["route", "model", "stop_reason", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
-        self.requested_max_tokens = Histogram(
-            "llm_proxy_requested_max_tokens", "The output budget clients asked for.",
-            ["route", "model"], buckets=TOKEN_BUCKETS, registry=r)
+            "llm_proxy_output_tokens", "Output tokens per answer (usage when reported, else counted); the "
+            "exemplar names a recent request.", ["model", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
+        self.requested_max_tokens = Summary(
+            "llm_proxy_requested_max_tokens", "The output budget clients asked for (sum and count: the mean).",
+            ["model"], registry=r)
         self.ttft = Histogram(
-            "llm_proxy_time_to_first_token_seconds", "Time from request to the first content chunk.",
-            ["model", "concurrency"], buckets=TTFT_BUCKETS, registry=r)
+            "llm_proxy_time_to_first_token_seconds", "Time from request to the first content chunk; the "
+            "exemplar names a recent request.", ["model", "concurrency"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(
             "llm_proxy_inter_token_latency_seconds", "Mean gap between content chunks, per response.",
             ["model", "concurrency"], buckets=ITL_BUCKETS, registry=r)
         self.duration = Histogram(
-            "llm_proxy_request_duration_seconds", "Time from request to the end of the response.",
-            ["route", "model", "stop_reason"], buckets=DURATION_BUCKETS, registry=r)
+            "llm_proxy_request_duration_seconds", "Time from request to the end of the response, by outcome; "
+            "the exemplar names a recent request.", ["outcome"], buckets=DURATION_BUCKETS, registry=r)
         self.truncated = Counter(
-            "llm_proxy_truncated", "Responses that did not end on their own, by cause.",
-            ["model", "cause"], registry=r)
-        self.reasoning_exhausted = Counter(
-            "llm_proxy_reasoning_exhausted", "Length stops whose budget went mostly (50% or more) to "
-            "reasoning: the visible answer got what the thinking left.", ["model"], registry=r)
+            "llm_proxy_truncated", "Answers the serving layer cut (outcome cut), by cause; server_limit is "
+            "exported at 0 from a model's first answer so that its first rise alerts. For counting and "
+            "alerting: ratios come from llm_proxy_requests_total.", ["model", "cause"], registry=r)
         self.client_disconnects = Counter(
             "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["phase"], registry=r)
@@ -117,17 +122,9 @@ class ProxyMetrics:
         self.gpu_telemetry_up = Gauge(
             "llm_proxy_gpu_telemetry_up", "1 while NVML telemetry works, else 0.", registry=r)
         # --- the upstream server's own state -----------------------------------------------
-        self.upstream_running = Gauge(
-            "llm_proxy_upstream_requests_running", "Requests the upstream says it is running.", registry=r)
-        self.upstream_waiting = Gauge(
-            "llm_proxy_upstream_requests_waiting", "Requests the upstream says are waiting.", registry=r)
-        self.upstream_kv_usage = Gauge(
-            "llm_proxy_upstream_kv_cache_usage_ratio", "The upstream's KV-cache usage (0-1).", registry=r)
-        self.upstream_preemptions = Gauge(
-            "llm_proxy_upstream_preemptions", "The upstream's cumulative preemption counter, as read.",
-            registry=r)
-        self.upstream_models_loaded = Gauge(
-            "llm_proxy_upstream_models_loaded", "Models the upstream has loaded (Ollama /api/ps).", registry=r)
+        # Exported only while known: a figure the upstream does not report is absent, never NaN.
+        self.upstream_state = UpstreamStateCollector()
+        r.register(self.upstream_state)
         self.upstream_model_vram = Gauge(
             "llm_proxy_upstream_model_vram_bytes", "VRAM held by each loaded model (Ollama /api/ps).",
             ["model"], registry=r)
@@ -172,10 +169,10 @@ class ProxyMetrics:
         return model
 
     def _start_truncation_series(self, model: str) -> None:
-        """Each truncation cause of a model at 0 from its first response on (see __init__)."""
-        for cause in TRUNCATION_CAUSES:
-            self._child(self.truncated, model, cause)
-        self._child(self.reasoning_exhausted, model)
+        """A model's server_limit count at 0 from its first response on: the one cause an alert
+        watches with increase(), which cannot see a series that is born at 1. Nothing else is
+        created before it is used, so /metrics grows with the traffic, not with the label space."""
+        self._child(self.truncated, model, "server_limit")
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -195,10 +192,13 @@ class MetricsObserver:
     def on_response(self, record: ResponseRecord) -> None:
         m = self.metrics
         model = m.model_label(record.model)
-        stop = record.stop_reason
+        cause = record.cause
+        outcome = record.outcome
         bucket = concurrency_bucket(record.concurrency_peak)
-        m._child(m.requests, record.route, model, stop, bucket).inc()
-        m._child(m.duration, record.route, model, stop).observe(record.duration_s)
+        reasoning = "mostly" if record.budget_mostly_reasoning else ""
+        m._child(m.requests, record.route, model, record.stop_reason, cause, outcome, reasoning, bucket).inc()
+        exemplar = {"request_id": record.request_id[:64]}  # OpenMetrics: 128 characters for all labels
+        m._child(m.duration, outcome).observe(record.duration_s, exemplar)
         if record.upstream_error is not None:
             m._child(m.upstream_errors, record.upstream_error).inc()
         if record.upstream_retries:
@@ -207,22 +207,62 @@ class MetricsObserver:
             m._child(m.parse_errors, record.dialect).inc()
         if record.observer_errors:
             m.observer_errors.inc(len(record.observer_errors))
-        if stop == "not_inference":
+        if outcome == "not_inference":
             return
         if record.output_tokens is not None:
-            m._child(m.output_tokens, record.route, model, stop, bucket).observe(record.output_tokens)
+            m._child(m.output_tokens, model, bucket).observe(record.output_tokens, exemplar)
         if record.requested_max_tokens is not None:
-            m._child(m.requested_max_tokens, record.route, model).observe(record.requested_max_tokens)
+            m._child(m.requested_max_tokens, model).observe(record.requested_max_tokens)
         if record.ttft_s is not None:
-            m._child(m.ttft, model, bucket).observe(record.ttft_s)
+            m._child(m.ttft, model, bucket).observe(record.ttft_s, exemplar)
         if record.itl_mean_s is not None:
             m._child(m.itl, model, bucket).observe(record.itl_mean_s)
-        cause = record.truncation_cause
-        if cause is not None:
+        if outcome == "cut":
             m._child(m.truncated, model, cause).inc()
-        if record.budget_mostly_reasoning:
-            m._child(m.reasoning_exhausted, model).inc()
         if record.client_disconnected and record.disconnect_phase is not None:
             m._child(m.client_disconnects, record.disconnect_phase).inc()
         if record.deadline_hit != "none":
             m._child(m.deadline_hits, record.deadline_hit, record.deadline_mode or "observe").inc()
+
+
+class UpstreamStateCollector(Collector):
+    """The upstream server's own state, as last read (vLLM /metrics, Ollama /api/ps).
+
+    Each figure is exported only while the upstream reports it: with a vLLM upstream there is no
+    `models_loaded`, with Ollama no KV-cache usage, and nothing at all while it cannot be read.
+    Preemptions are the server's own cumulative counter, exported as a counter (a server restart
+    is a reset, which rate() and increase() handle).
+    """
+
+    def __init__(self) -> None:
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.kv_cache_usage: float | None = None
+        self.preemptions: float | None = None
+        self.models_loaded: float | None = None
+
+    def clear(self) -> None:
+        self.running = self.waiting = self.kv_cache_usage = self.preemptions = self.models_loaded = None
+
+    def describe(self) -> Iterator[Metric]:
+        """Every family this collector may export, known or not (for the registry and for tests)."""
+        saved = (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded)
+        self.running = self.waiting = self.kv_cache_usage = self.preemptions = self.models_loaded = 0.0
+        try:
+            yield from self.collect()
+        finally:
+            self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded = saved
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = (("llm_proxy_upstream_requests_running", "Requests the upstream says it is running.", self.running),
+                  ("llm_proxy_upstream_requests_waiting", "Requests the upstream says are waiting.", self.waiting),
+                  ("llm_proxy_upstream_kv_cache_usage_ratio", "The upstream's KV-cache usage (0-1).",
+                   self.kv_cache_usage),
+                  ("llm_proxy_upstream_models_loaded", "Models the upstream has loaded (Ollama /api/ps).",
+                   self.models_loaded))
+        for name, documentation, value in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(name, documentation, value=value)
+        if self.preemptions is not None:
+            yield CounterMetricFamily("llm_proxy_upstream_preemptions", "The upstream's own cumulative count of "
+                                      "preempted requests (vLLM), as read.", value=self.preemptions)

@@ -28,6 +28,28 @@ STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined
 # Stop reasons that mean the answer is complete; everything else counts as truncated.
 COMPLETE_STOP_REASONS = frozenset({"eos", "stop_sequence", "tool_calls"})
 
+# Who ended an answer, the question the metrics answer first:
+#   complete       it ended on its own
+#   budget         at the max_tokens the client asked for: the client's choice
+#   cut            the serving layer ended it: a server limit, an error, a deadline, a refusal
+#   client_gone    the client went away
+#   client_error   the server refused the request as malformed (an HTTP 4xx of the client's making)
+#   unknown        the wire does not say (a length stop below the budget whose tokens were only counted)
+#   not_inference  not a generation (a model listing, a scrape)
+Outcome = Literal["complete", "budget", "cut", "client_gone", "client_error", "unknown", "not_inference"]
+OUTCOMES: tuple[str, ...] = Outcome.__args__  # type: ignore[attr-defined]
+# Why, in the words an operator fixes it by: the stop reason, with a length stop told by its
+# cause and an upstream error by its kind. The `cause` label of the request metrics.
+CUT_CAUSES: tuple[str, ...] = (
+    "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
+    "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
+    "error_event", "abort", "context_exhausted", "exceeds_context")
+CAUSES: tuple[str, ...] = (
+    "eos", "stop_sequence", "tool_calls", "requested_budget", *CUT_CAUSES, "client_disconnect", "http_4xx",
+    "length_unknown", "unknown", "not_inference")
+_ERROR_CAUSES = frozenset({"connect", "timeout", "reset", "oom", "error_event", "abort", "context_exhausted",
+                           "exceeds_context"})
+
 # A length stop whose budget went at least this share to reasoning is "mostly reasoning".
 REASONING_HEAVY_SHARE = 0.5
 
@@ -138,13 +160,38 @@ class ResponseRecord:
         return self.stop_reason == "length" and (self.reasoning_share or 0.0) >= REASONING_HEAVY_SHARE
 
     @property
+    def cause(self) -> str:
+        """Why it ended, one of CAUSES: the stop reason, a length stop by its `length_cause`, an
+        upstream error by its kind (an HTTP error by its class: 4xx or 5xx). A request that is not
+        a generation is `not_inference` however it ended (its failures count as upstream errors)."""
+        stop = self.stop_reason
+        if self.route == "other":
+            return "not_inference"
+        if stop == "length":
+            if self.length_cause == "requested_budget":
+                return "requested_budget"
+            return "server_limit" if self.length_cause == "server_limit" else "length_unknown"
+        if stop == "upstream_error":
+            kind = self.upstream_error
+            if kind in _ERROR_CAUSES:
+                return kind
+            return "http_4xx" if self.status is not None and 400 <= self.status < 500 else "http_5xx"
+        return stop
+
+    @property
+    def outcome(self) -> str:
+        """Who ended it, one of OUTCOMES (see there)."""
+        return _OUTCOME_OF[self.cause]
+
+    @property
     def truncation_cause(self) -> str | None:
-        """The cause label of `llm_proxy_truncated_total`, or None for a complete answer."""
-        if not self.truncated:
-            return None
-        if self.stop_reason == "length" and self.length_cause == "server_limit":
-            return "server_limit"
-        return self.stop_reason
+        """The cause label of `llm_proxy_truncated_total`: what the serving layer cut, else None."""
+        cause = self.cause
+        return cause if _OUTCOME_OF[cause] == "cut" else None
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
+_OUTCOME_OF: dict[str, str] = {
+    **dict.fromkeys(("eos", "stop_sequence", "tool_calls"), "complete"), "requested_budget": "budget",
+    **dict.fromkeys(CUT_CAUSES, "cut"), "client_disconnect": "client_gone", "http_4xx": "client_error",
+    "length_unknown": "unknown", "unknown": "unknown", "not_inference": "not_inference"}

@@ -6,6 +6,8 @@ import asyncio
 
 import aiohttp
 import orjson
+from prometheus_client import generate_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import RunningProxy
@@ -40,25 +42,70 @@ async def metrics_text(client: aiohttp.ClientSession, proxy: RunningProxy) -> st
         return (await response.read()).decode()
 
 
-async def test_metrics_carry_stop_reason_concurrency_and_truncation(
+async def test_metrics_carry_stop_reason_cause_outcome_concurrency_and_truncation(
         upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
-    upstream.push(Script(openai_stream(10, "length"), delay=0.005), Script(openai_stream(3), delay=0.005))
-    for _ in range(2):
-        async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT) as response:
+    # a length stop with no budget asked: the server's own limit (server_limit, a cut); then one at the
+    # client's budget (requested_budget: not a cut); then a complete answer
+    upstream.push(Script(openai_stream(10, "length"), delay=0.005), Script(openai_stream(5, "length"), delay=0.005),
+                  Script(openai_stream(3), delay=0.005))
+    for body in (CHAT, {**CHAT, "max_tokens": 5}, CHAT):
+        async with client.post(proxy.proxy_url + CHAT_URL, json=body) as response:
             await response.read()
     await asyncio.sleep(0.05)
     text = await metrics_text(client, proxy)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    key = ("llm_proxy_requests_total", (("concurrency", "1"), ("model", "m"), ("route", CHAT_URL),
-                                        ("stop_reason", "length")))
-    assert samples[key] == 1
+
+    def answers(stop: str, cause: str, outcome: str) -> float:
+        return samples[("llm_proxy_requests_total", (
+            ("cause", cause), ("concurrency", "1"), ("model", "m"), ("outcome", outcome), ("reasoning", ""),
+            ("route", CHAT_URL), ("stop_reason", stop)))]
+
+    assert answers("length", "server_limit", "cut") == 1
+    assert answers("length", "requested_budget", "budget") == 1
+    assert answers("eos", "eos", "complete") == 1
     assert samples[("llm_proxy_truncated_total", (("cause", "server_limit"), ("model", "m")))] == 1
+    assert not any(name == "llm_proxy_truncated_total" and ("cause", "requested_budget") in labels
+                   for name, labels in samples)  # the client's own budget is not a cut
     assert samples[("llm_proxy_in_flight", ())] == 0
-    for name in ("llm_proxy_output_tokens_bucket", "llm_proxy_requested_max_tokens_bucket",
+    for name in ("llm_proxy_output_tokens_bucket", "llm_proxy_requested_max_tokens_sum",
                  "llm_proxy_time_to_first_token_seconds_bucket", "llm_proxy_inter_token_latency_seconds_bucket",
                  "llm_proxy_request_duration_seconds_bucket"):
         assert any(n == name for n, _ in samples), name
+    assert not any(n.endswith("_created") for n, _ in samples)  # no _created series at all
+
+
+async def test_openmetrics_scrapes_carry_request_ids_as_exemplars(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    upstream.push(Script(openai_stream(4), delay=0.005))
+    async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": "ex-1"}) as response:
+        await response.read()
+    await asyncio.sleep(0.05)
+    async with client.get(proxy.admin_url + "/metrics",
+                          headers={"Accept": "application/openmetrics-text; version=1.0.0"}) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = (await response.read()).decode()
+    exemplars = {s.name: s.exemplar for family in openmetrics_families(text) for s in family.samples if s.exemplar}
+    for name in ("llm_proxy_output_tokens_bucket", "llm_proxy_time_to_first_token_seconds_bucket",
+                 "llm_proxy_request_duration_seconds_bucket"):
+        assert exemplars[name].labels == {"request_id": "ex-1"}, name
+    async with client.get(proxy.admin_url + "/metrics") as response:  # the classic text format: no exemplars
+        assert response.headers["Content-Type"].startswith("text/plain")
+        assert "request_id" not in (await response.read()).decode()
+
+
+async def test_figures_the_upstream_does_not_report_are_absent_never_nan(proxy: RunningProxy) -> None:
+    from proxy.telemetry.upstream import UpstreamSeries, UpstreamState
+
+    series = UpstreamSeries(proxy.metrics)
+    series.update(UpstreamState(source="vllm", running=2, waiting=0, kv_cache_usage=0.5, preemptions_total=7))
+    text = generate_latest(proxy.metrics.registry).decode()
+    assert "llm_proxy_upstream_models_loaded" not in text and "NaN" not in text
+    assert "llm_proxy_upstream_preemptions_total 7.0" in text
+    assert "# TYPE llm_proxy_upstream_preemptions_total counter" in text
+    series.unknown()
+    text = generate_latest(proxy.metrics.registry).decode()
+    assert "llm_proxy_upstream_requests_running" not in text and "NaN" not in text
 
 
 async def test_model_labels_are_capped(upstream: ScriptedUpstream, make_proxy: ProxyFactory,
@@ -124,10 +171,17 @@ async def test_health_and_readiness(upstream: ScriptedUpstream, proxy: RunningPr
         assert response.status == 200
     async with client.get(proxy.admin_url + "/readyz") as response:
         assert response.status == 200
+    # An upstream that cannot be reached does not make the proxy unready (readiness would flap with
+    # every slow vLLM and pull the only replica out of its Service): the body says it, and
+    # ?upstream=required asks for the old strict answer.
     down = await make_proxy("http://127.0.0.1:9")
     async with client.get(down.admin_url + "/readyz") as response:
         body = orjson.loads(await response.read())
-        assert response.status == 503 and body["status"] == "not_ready" and "127.0.0.1:9" in body["detail"]
+        assert response.status == 200 and body["status"] == "ready" and body["upstream_reachable"] is False
+        assert "127.0.0.1:9" in body["detail"]
+    async with client.get(down.admin_url + "/readyz?upstream=required") as response:
+        body = orjson.loads(await response.read())
+        assert response.status == 503 and body["status"] == "not_ready"
 
 
 async def test_upstream_metrics_endpoint_stays_reachable_through_the_proxy_port(

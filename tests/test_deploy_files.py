@@ -65,11 +65,14 @@ def exported_names() -> set[str]:
     """The series names the proxy's registry exposes: counters with _total, histograms with their parts."""
     metrics = ProxyMetrics(CollectorRegistry())
     names: set[str] = set()
-    for family in metrics.registry.collect():
+    # the upstream's state is exported only while known: describe() lists it all
+    for family in [*metrics.registry.collect(), *metrics.upstream_state.describe()]:
         if family.type == "counter":
             names.add(f"{family.name}_total")
         elif family.type == "histogram":
             names.update(f"{family.name}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+        elif family.type == "summary":
+            names.update(f"{family.name}{suffix}" for suffix in ("_sum", "_count"))
         else:
             names.add(family.name)
     return names
@@ -156,6 +159,18 @@ def test_every_stop_reason_filter_in_the_rules_is_a_real_stop_reason() -> None:
                 assert reason in STOP_REASONS, f"{reason!r} in {text[:80]!r}"
 
 
+def test_every_cause_and_outcome_filter_is_a_value_the_proxy_exports() -> None:
+    from proxy.record import CAUSES, OUTCOMES
+
+    texts = [rule["expr"] for rule in rules()]
+    texts += [expr for _, expr in render.dashboard_expressions(render.dashboard())]
+    for text in texts:
+        for label, allowed in (("cause", CAUSES), ("outcome", OUTCOMES)):
+            for match in re.findall(rf'\b{label}[!=]~?"([^"]+)"', text):
+                for value in match.split("|"):
+                    assert value in allowed, f"{label} {value!r} in {text[:80]!r}"
+
+
 # --- alerts: actionable and unit-tested ----------------------------------------------------------
 
 def test_every_alert_has_a_severity_summary_and_description() -> None:
@@ -194,13 +209,43 @@ def test_every_alert_has_promtool_tests_that_fire_and_that_do_not() -> None:
 
 # --- the dashboard ------------------------------------------------------------------------------
 
-def test_dashboard_has_datasource_instance_and_model_variables_used_by_its_queries() -> None:
+def test_dashboard_has_datasource_job_instance_model_and_admin_url_variables_used_by_its_queries() -> None:
     board = render.dashboard()
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert set(variables) == {"datasource", "instance", "model"}
+    assert set(variables) == {"datasource", "job", "instance", "model", "admin_url"}
+    assert variables["job"]["current"]["value"] == "llm-diag-proxy"  # the default, not a hard-coded filter
     expressions = [expr for _, expr in render.dashboard_expressions(board)]
-    assert all('instance=~"$instance"' in expr for expr in expressions if "llm_proxy_" in expr)
+    assert all('job=~"$job"' in expr and 'instance=~"$instance"' in expr
+               for expr in expressions if "llm_proxy_" in expr or "up{" in expr)
+    assert 'job="' not in json.dumps(board)  # no job hard-coded anywhere
     assert sum('model=~"$model"' in expr for expr in expressions) >= 8
+
+
+def test_every_share_on_the_dashboard_takes_both_sides_from_the_requests_counter() -> None:
+    """A ratio of two series sets that appear at different times can pass 100% (the burst that
+    moved traffic into a new concurrency bucket did): every share of answers is one counter over
+    itself. The real Prometheus test checks the values."""
+    for title, expr in render.dashboard_expressions(render.dashboard()):
+        if " / " in expr and "llm_proxy_requests_total" in expr:
+            assert names_in(expr) == {"llm_proxy_requests_total"}, title
+
+
+def test_cause_and_outcome_panels_link_to_their_records_and_histograms_carry_exemplars() -> None:
+    panels = {p["title"]: p for p in render.dashboard()["panels"]}
+    links = {title: [link["url"] for link in p["fieldConfig"]["defaults"]["links"]]
+             for title, p in panels.items() if "fieldConfig" in p}
+    assert links["Truncation ratio by cause"] == ["${admin_url}/api/requests?cause=${__field.labels.cause}"]
+    assert links["Who ended the answers"] == ["${admin_url}/api/requests?outcome=${__field.labels.outcome}"]
+    assert any("stop_reason=" in url for urls in links.values() for url in urls)
+    for title in ("Output tokens by concurrency", "Time to first token by concurrency"):
+        assert all(t.get("exemplar") for t in panels[title]["targets"]), title
+
+
+def test_gpu_panels_fall_back_on_the_dcgm_exporter() -> None:
+    panels = {p["title"]: p for p in render.dashboard()["panels"]}
+    memory = " ".join(t["expr"] for t in panels["In flight vs GPU memory"]["targets"])
+    assert "DCGM_FI_DEV_FB_USED" in memory and "DCGM_FI_DEV_FB_FREE" in memory
+    assert "DCGM_FI_DEV_GPU_UTIL" in " ".join(t["expr"] for t in panels["GPU utilization"]["targets"])
 
 
 def test_dashboard_panels_do_not_overlap() -> None:
@@ -216,7 +261,9 @@ def test_dashboard_panels_do_not_overlap() -> None:
 
 def test_dashboard_answers_the_questions_of_the_issue() -> None:
     titles = {panel["title"] for panel in render.dashboard()["panels"]}
-    for title in ("Output tokens by concurrency", "Stop-reason mix", "Truncation ratio by cause",
+    for title in ("Output tokens by concurrency", "Who ended the answers", "Truncation ratio by cause",
+                  "Answers that hit the client's budget", "Answers cut by the serving layer (5m)",
+                  "Cuts against in-flight and GPU memory", "Throughput",
                   "Time to first token by concurrency", "Inter-token latency by concurrency",
                   "In flight vs GPU memory", "Upstream KV cache and preemptions",
                   "Client disconnects and deadline hits"):

@@ -11,7 +11,13 @@ the proxy's idle timeout and a client that goes away. Then, through Prometheus' 
 - every rule evaluates without error (/api/v1/rules health ok);
 - every alert expression evaluates without error, and each series selector inside it returns series.
   Alert expressions themselves mostly return nothing here: a spike needs an hour of baseline and
-  thresholds held for minutes (tests/promtool covers firing and not firing).
+  thresholds held for minutes (tests/promtool covers firing and not firing);
+- no ratio ever leaves [0, 1], at any evaluation from the first scrape to the last: every recording
+  rule that records a ratio, the ratio inside every alert, every share on the dashboard. The load
+  is built for it: steady answers first, then a burst that moves traffic into new concurrency
+  buckets and new causes, then a restart of one proxy (its counters start again from 0);
+- the proxy's histograms carry request ids as exemplars, which Prometheus stores (exemplar
+  storage on) and serves through its query_exemplars API, and each names a real record.
 
 Series that cannot exist on this machine are named in MAY_BE_EMPTY with the reason; GPU series are
 required when the proxy's NVML telemetry works (llm_proxy_gpu_telemetry_up == 1).
@@ -96,6 +102,21 @@ def wait_until(condition: Callable[[], object], what: str, work: Path, timeout_s
 @dataclass
 class Stack:
     prometheus_url: str
+    started: float  # epoch seconds: when Prometheus first ran
+    admin_urls: list[str]
+    ended: float = 0.0  # when the load and the last rule evaluations were done
+
+    def query_range(self, expr: str, step: str = "1s") -> list[dict[str, Any]]:
+        """Every evaluation of `expr` from the stack's start to the end of its load."""
+        url = f"{self.prometheus_url}/api/v1/query_range?" + urllib.parse.urlencode(
+            {"query": expr, "start": f"{self.started:.3f}", "end": f"{self.ended:.3f}", "step": step})
+        try:
+            answer: dict[str, Any] = get_json(url)
+        except urllib.error.HTTPError as exc:
+            answer = json.load(exc)
+        assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
 
     def query(self, expr: str) -> dict[str, Any]:
         """The instant query's whole answer, errors included (Prometheus says 400/422 with a JSON body)."""
@@ -128,8 +149,21 @@ def prometheus_config(sim_port: int, admin_ports: list[int]) -> dict[str, Any]:
     return {**config, "scrape_configs": jobs}
 
 
+# With usage in the stream, a length stop below the budget is a proven server_limit (a counted
+# figure is only a lower bound: length_unknown).
 CHAT = {"model": "sim-7b", "messages": [{"role": "user", "content": "Tell me about the sea."}],
-        "max_tokens": 128, "stream": True}
+        "max_tokens": 128, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def steady(proxy_url: str, count: int) -> None:
+    """One answer at a time, more than a scrape apart: the series of concurrency 1 exist, and have
+    been scraped, before the burst brings new ones."""
+    async with aiohttp.ClientSession() as session:
+        for n in range(count):
+            body = {**CHAT, "seed": 1000 + n, "max_tokens": 16}
+            async with session.post(f"{proxy_url}/v1/chat/completions", json=body) as response:
+                await response.read()
+            await asyncio.sleep(1.2)
 
 
 async def drive_load(proxy_url: str, ollama_proxy_url: str) -> None:
@@ -194,30 +228,42 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert PROMETHEUS is not None
     commands["prometheus"] = [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}",
                               f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-                              "--log.level=warn"]
+                              "--enable-feature=exemplar-storage", "--log.level=warn"]
     ready = {"simulator": f"http://127.0.0.1:{sim_port}/health",
              "proxy": f"{admin_urls[0]}/healthz",
              "proxy-ollama": f"{admin_urls[1]}/healthz",
              "prometheus": f"http://127.0.0.1:{prom_port}/-/ready"}
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str) -> None:
+        log = work / f"{name}.log"
+        with log.open("ab") as out:
+            processes[name] = subprocess.Popen(commands[name], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(ready[name], processes[name], log)
+
     try:
-        for name, command in commands.items():
-            log = work / f"{name}.log"
-            with log.open("wb") as out:
-                processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
-            wait_for(ready[name], processes[-1], log)
-        running = Stack(f"http://127.0.0.1:{prom_port}")
+        for name in commands:
+            start(name)
+        running = Stack(f"http://127.0.0.1:{prom_port}", time.time(), admin_urls)
         wait_until(lambda: len(running.series("up == 1")) == 3, "Prometheus scrapes every target", work)
+        asyncio.run(steady(f"http://127.0.0.1:{proxy_port}", 4))
         asyncio.run(drive_load(f"http://127.0.0.1:{proxy_port}", f"http://127.0.0.1:{ollama_port}"))
+        # A restart: the second proxy's counters start again from 0 under the same target.
+        processes["proxy-ollama"].terminate()
+        processes["proxy-ollama"].wait(timeout=30)
+        start("proxy-ollama")
+        wait_until(lambda: len(running.series("up == 1")) == 3, "Prometheus scrapes the restarted proxy", work)
+        asyncio.run(steady(f"http://127.0.0.1:{ollama_port}", 3))
         total = sum(proxy_requests_total(url) for url in admin_urls)
         wait_until(lambda: running.series(f'sum(llm_proxy_requests_total) >= {total}'),
                    f"Prometheus has the proxy's final count ({total:g} responses)", work)
         time.sleep(2.5)  # two rule evaluations on it (evaluation_interval 1s)
+        running.ended = time.time()
         yield running
     finally:
-        for process in reversed(processes):
+        for process in reversed(processes.values()):
             process.terminate()
-        for process in processes:
+        for process in processes.values():
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -237,10 +283,11 @@ def allowed_empty(stack: Stack) -> dict[str, str]:
     return allowed
 
 
-def for_prometheus(expr: str) -> str:
-    """A dashboard query with Grafana's variables filled in as the `All` selection does."""
-    return (expr.replace("$instance", ".*").replace("$model", ".*")
-            .replace("$__rate_interval", RATE_INTERVAL))
+def for_prometheus(expr: str, rate_interval: str = RATE_INTERVAL) -> str:
+    """A dashboard query with Grafana's variables filled in as the `All` selection does, and the
+    job variable at its default."""
+    return (expr.replace("$instance", ".*").replace("$model", ".*").replace("$job", "llm-diag-proxy")
+            .replace("$__rate_interval", rate_interval))
 
 
 def has_finite_sample(result: list[dict[str, Any]]) -> bool:
@@ -248,8 +295,10 @@ def has_finite_sample(result: list[dict[str, Any]]) -> bool:
 
 
 def test_the_load_produced_the_truncations_the_panels_are_about(stack: Stack) -> None:
-    causes = {s["metric"]["cause"] for s in stack.series("llm_proxy_truncated_total")}
-    assert {"server_limit", "rejected", "upstream_error", "client_disconnect"} <= causes
+    causes = {s["metric"]["cause"] for s in stack.series("llm_proxy_truncated_total > 0")}
+    assert {"server_limit", "rejected", "http_5xx", "oom"} <= causes
+    outcomes = {s["metric"]["outcome"] for s in stack.series("llm_proxy_requests_total")}
+    assert {"complete", "cut", "client_gone"} <= outcomes
     kinds = {s["metric"]["kind"] for s in stack.series("llm_proxy_upstream_errors_total")}
     assert {"http_status", "oom"} <= kinds
     assert stack.series('llm_proxy_deadline_hits_total{kind="idle"}')
@@ -304,3 +353,69 @@ def test_every_alert_expression_evaluates_and_its_selectors_return_series(stack:
                 if name not in allowed and not stack.series(name + matchers):
                     problems.append(f"{rule['alert']}: {name}{matchers} has no series")
     assert not problems, "\n".join(problems)
+
+
+def ratio_expressions() -> list[tuple[str, str]]:
+    """(where, PromQL) of every ratio of answers: the recording rules that record one, the share
+    inside every alert, every dashboard share."""
+    found = [(f"rule {rule['record']}", rule["record"]) for group in render.rule_groups()
+             for rule in group["rules"] if rule.get("record", "").endswith(("_ratio:rate5m", "_ratio:rate10m",
+                                                                             "_ratio:rate1h"))]
+    for group in render.rule_groups():
+        for rule in group["rules"]:
+            share = re.match(r"(.*?/.*?)\s*>\s*0\.\d+\s*\n\s*and", rule.get("expr", ""), re.DOTALL)
+            if "alert" in rule and share and "llm_proxy_requests_total" in share.group(1):
+                found.append((f"alert {rule['alert']}", share.group(1)))
+    board = render.dashboard()
+    for item in board["panels"]:
+        for target in item.get("targets", []):
+            if " / " in target["expr"] and "llm_proxy_requests_total" in target["expr"]:
+                found.append((f"panel {item['title']!r}", for_prometheus(target["expr"], "5s")))
+    return found
+
+
+def test_the_ratios_checked_are_every_kind_there_is() -> None:
+    where = [w for w, _ in ratio_expressions()]
+    assert sum(w.startswith("rule ") for w in where) >= 8
+    assert {"alert LLMProxyUpstreamErrors", "alert LLMProxyUpstreamRejections"} <= set(where)
+    assert sum(w.startswith("panel ") for w in where) >= 6
+
+
+def test_no_ratio_ever_leaves_zero_to_one_through_a_burst_and_a_restart(stack: Stack) -> None:
+    """Numerator and denominator from one counter: a series born at its first scrape with a count
+    above 0 (a new concurrency bucket, a new cause, every series after a restart) weighs on both
+    sides alike. With a numerator from a counter created at 0 up front, the burst read 255%."""
+    # the load is the hard case: series of cut answers that Prometheus first saw above 1
+    born_high = [series["metric"] for series in stack.query_range('llm_proxy_requests_total{outcome="cut"}')
+                 if float(series["values"][0][1]) > 1]
+    assert born_high, "no series of cut answers was born above 1: the burst did not test the ratios"
+    outside = []
+    seen = 0
+    for where, expr in ratio_expressions():
+        for series in stack.query_range(expr):
+            for _, value in series["values"]:
+                number = float(value)
+                seen += 1
+                if math.isnan(number) or not -1e-9 <= number <= 1 + 1e-9:
+                    outside.append(f"{where} {series['metric']}: {value}")
+    assert seen > 200, "the ratios had almost no evaluations to check"
+    assert not outside, "ratios outside [0, 1]:\n" + "\n".join(outside[:20])
+
+
+def test_histogram_exemplars_reach_prometheus_and_name_real_records(stack: Stack) -> None:
+    url = f"{stack.prometheus_url}/api/v1/query_exemplars?" + urllib.parse.urlencode(
+        {"query": "llm_proxy_time_to_first_token_seconds_bucket", "start": f"{stack.started:.3f}",
+         "end": f"{stack.ended:.3f}"})
+    answer = get_json(url)
+    assert answer["status"] == "success"
+    request_ids = {e["labels"]["request_id"] for series in answer["data"] for e in series["exemplars"]}
+    assert request_ids, "no exemplar stored for the time-to-first-token histogram"
+    found = 0
+    for request_id in sorted(request_ids)[:5]:
+        for admin in stack.admin_urls:
+            try:
+                record = get_json(f"{admin}/api/requests/{request_id}")
+            except urllib.error.HTTPError:
+                continue
+            found += record["request_id"] == request_id
+    assert found, "no exemplar's request id has a record on the proxies"

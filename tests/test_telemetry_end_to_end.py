@@ -99,7 +99,7 @@ async def test_the_simulators_state_is_reexported_on_the_admin_metrics(simulator
         await proxy.close()
     names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
     assert {"llm_proxy_upstream_requests_running", "llm_proxy_upstream_requests_waiting",
-            "llm_proxy_upstream_kv_cache_usage_ratio", "llm_proxy_upstream_preemptions",
+            "llm_proxy_upstream_kv_cache_usage_ratio", "llm_proxy_upstream_preemptions_total",
             "llm_proxy_upstream_telemetry_up", "llm_proxy_gpu_telemetry_up"} <= names
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from collections.abc import AsyncIterator
 
@@ -92,5 +91,5 @@ async def test_intervals_of_zero_and_off_start_nothing_and_leave_records_alone(
     await telemetry.stop()
     assert telemetry._tasks == [] and fake_upstream.hits == []
     assert metrics.registry.get_sample_value("llm_proxy_gpu_telemetry_up") == 0
-    assert math.isnan(metrics.registry.get_sample_value("llm_proxy_upstream_requests_running"))  # type: ignore[arg-type]
+    assert metrics.registry.get_sample_value("llm_proxy_upstream_requests_running") is None  # absent, not NaN
     assert (record.gpu, record.upstream_running_max) == (None, None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -189,12 +188,12 @@ async def test_auto_detects_vllm_from_its_metrics_and_reexports_its_state(
     assert gauge(metrics, "llm_proxy_upstream_requests_running") == 9
     assert gauge(metrics, "llm_proxy_upstream_requests_waiting") == 2
     assert gauge(metrics, "llm_proxy_upstream_kv_cache_usage_ratio") == 0.81
-    assert gauge(metrics, "llm_proxy_upstream_preemptions") == 5
-    assert math.isnan(gauge(metrics, "llm_proxy_upstream_models_loaded"))  # type: ignore[arg-type]
+    assert gauge(metrics, "llm_proxy_upstream_preemptions_total") == 5
+    assert gauge(metrics, "llm_proxy_upstream_models_loaded") is None  # not reported: absent, never NaN
     assert gauge(metrics, "llm_proxy_upstream_telemetry_up", source="vllm") == 1
     fake_upstream.routes["/metrics"] = (200, VLLM_V0.encode())
     assert await poller.poll_once()
-    assert gauge(metrics, "llm_proxy_upstream_preemptions") == 12
+    assert gauge(metrics, "llm_proxy_upstream_preemptions_total") == 12
     assert len(poller.ring) == 2
     assert fake_upstream.hits == ["/metrics", "/metrics"]
 
@@ -209,7 +208,7 @@ async def test_auto_detects_ollama_from_api_ps_and_keeps_model_vram_series_bound
     # max_models=1: only the model holding the most VRAM gets a series
     assert gauge(metrics, "llm_proxy_upstream_model_vram_bytes", model="qwen2.5:32b") == 17179869184
     assert gauge(metrics, "llm_proxy_upstream_model_vram_bytes", model="llama3.1:8b") is None
-    assert math.isnan(gauge(metrics, "llm_proxy_upstream_requests_running"))  # type: ignore[arg-type]
+    assert gauge(metrics, "llm_proxy_upstream_requests_running") is None  # not reported: absent, never NaN
     assert gauge(metrics, "llm_proxy_upstream_telemetry_up", source="ollama") == 1
     fake_upstream.routes["/api/ps"] = (200, OLLAMA_EMPTY)
     assert await poller.poll_once()
@@ -249,7 +248,7 @@ async def test_failing_polls_set_up_0_and_unknown_gauges_log_once_and_recover(
         assert not await poller.poll_once()
         assert not await poller.poll_once()
         assert gauge(metrics, "llm_proxy_upstream_telemetry_up", source="vllm") == 0
-        assert math.isnan(gauge(metrics, "llm_proxy_upstream_requests_running"))  # type: ignore[arg-type]
+        assert gauge(metrics, "llm_proxy_upstream_requests_running") is None  # not reported: absent, never NaN
         fake_upstream.routes["/metrics"] = (200, VLLM_V0.encode())
         assert await poller.poll_once()
     assert [(e["event"], e.get("error")) for e in logs] == [

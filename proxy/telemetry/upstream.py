@@ -171,7 +171,7 @@ def parse_ollama_ps(body: bytes) -> UpstreamState:
 
 
 class UpstreamSeries:
-    """Re-exports the newest state; a figure the upstream does not report reads NaN, not 0."""
+    """Re-exports the newest state; a figure the upstream does not report is absent, not 0 or NaN."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.m = metrics
@@ -179,24 +179,18 @@ class UpstreamSeries:
         self._up_source: str | None = None
 
     def unknown(self) -> None:
-        m = self.m
-        for gauge in (m.upstream_running, m.upstream_waiting, m.upstream_kv_usage,
-                      m.upstream_preemptions, m.upstream_models_loaded):
-            gauge.set(math.nan)
+        self.m.upstream_state.clear()
         self._set_models(())
 
     def update(self, state: UpstreamState) -> None:
-        m = self.m
-        pairs = ((m.upstream_running, state.running), (m.upstream_waiting, state.waiting),
-                 (m.upstream_kv_usage, state.kv_cache_usage),
-                 (m.upstream_preemptions, state.preemptions_total))
-        for gauge, value in pairs:
-            gauge.set(math.nan if value is None else value)
+        exported = self.m.upstream_state
+        exported.running, exported.waiting = state.running, state.waiting
+        exported.kv_cache_usage, exported.preemptions = state.kv_cache_usage, state.preemptions_total
         if state.source == "ollama":
-            m.upstream_models_loaded.set(len(state.models))
+            exported.models_loaded = len(state.models)
             self._set_models(state.models)
         else:
-            m.upstream_models_loaded.set(math.nan)
+            exported.models_loaded = None
             self._set_models(())
 
     def _set_models(self, models: tuple[LoadedModel, ...]) -> None:

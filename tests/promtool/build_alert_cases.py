@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from proxy.record import _OUTCOME_OF
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 ALERTS = ROOT / "deploy/prometheus/rules/alerts.yml"
 OUTPUT = Path(__file__).resolve().parent / "alerts_test.yml"
@@ -44,6 +46,15 @@ def s(name: str, labels: str, values: str) -> dict[str, str]:
     return {"series": f'{name}{{{J}{"," if labels else ""}{labels}}}', "values": values}
 
 
+def answers(model: str, cause: str, concurrency: str, values: str) -> dict[str, str]:
+    """A series of llm_proxy_requests_total as the proxy exports it for answers of this cause."""
+    stop = {"requested_budget": "length", "server_limit": "length", "length_unknown": "length",
+            "http_5xx": "upstream_error", "http_4xx": "upstream_error", "reset": "upstream_error",
+            "oom": "upstream_error"}.get(cause, cause)
+    return s(req, f'route="/v1/chat/completions",model="{model}",stop_reason="{stop}",cause="{cause}",'
+                  f'outcome="{_OUTCOME_OF[cause]}",reasoning="",concurrency="{concurrency}"', values)
+
+
 def build_cases() -> list[dict[str, Any]]:
     tests: list[dict[str, Any]] = []
 
@@ -52,39 +63,45 @@ def build_cases() -> list[dict[str, Any]]:
 
     # --- LLMProxyTruncationSpike
     case("truncation spike against a low baseline fires; before the spike nothing fires", [
-        s(req, 'model="m",stop_reason="eos",concurrency="4",route="/v1/chat/completions"', "0+10x90"),
-        s(req, 'model="m",stop_reason="length",concurrency="4",route="/v1/chat/completions"', "0x70 5+5x19"),
-        s("llm_proxy_truncated_total", 'model="m",cause="length"', "0x70 5+5x19"),
+        answers("m", "eos", "4", "0+10x90"),
+        answers("m", "server_limit", "4", "0x70 5+5x19"),
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "0x70 5+5x19"),
     ], [
         {"eval_time": "60m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
         {"eval_time": "73m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},  # pending (for: 5m)
         {"eval_time": "85m", "alertname": "LLMProxyTruncationSpike",
          "exp_alerts": [fired("LLMProxyTruncationSpike", job="llm-diag-proxy", model="m")]},
     ])
+    case("answers at the client's own budget are not cuts: a spike of them does not fire", [
+        answers("m", "eos", "4", "0+10x90"),
+        answers("m", "requested_budget", "4", "0x70 5+5x19"),
+    ], [
+        {"eval_time": "85m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
+    ])
     case("steady high truncation is its own baseline: no spike", [
-        s(req, 'model="m",stop_reason="eos",concurrency="4",route="/v1/chat/completions"', "0+7x90"),
-        s(req, 'model="m",stop_reason="length",concurrency="4",route="/v1/chat/completions"', "0+3x90"),
-        s("llm_proxy_truncated_total", 'model="m",cause="length"', "0+3x90"),
+        answers("m", "eos", "4", "0+7x90"),
+        answers("m", "server_limit", "4", "0+3x90"),
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "0+3x90"),
     ], [
         {"eval_time": "85m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
     ])
     case("a spike on too few answers does not fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="1",route="/v1/chat/completions"', "0+0.5x90"),
-        s(req, 'model="m",stop_reason="length",concurrency="1",route="/v1/chat/completions"', "0x70 0.5+0.5x19"),
-        s("llm_proxy_truncated_total", 'model="m",cause="length"', "0x70 0.5+0.5x19"),
+        answers("m", "eos", "1", "0+0.5x90"),
+        answers("m", "server_limit", "1", "0x70 0.5+0.5x19"),
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "0x70 0.5+0.5x19"),
     ], [
         {"eval_time": "85m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
     ])
     case("a doubling below the 5% floor does not fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="4",route="/v1/chat/completions"', "0+100x90"),
-        s(req, 'model="m",stop_reason="length",concurrency="4",route="/v1/chat/completions"', "0+1x70 71+3x19"),
-        s("llm_proxy_truncated_total", 'model="m",cause="length"', "0+1x70 71+3x19"),
+        answers("m", "eos", "4", "0+100x90"),
+        answers("m", "server_limit", "4", "0+1x70 71+3x19"),
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "0+1x70 71+3x19"),
     ], [
         {"eval_time": "85m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
     ])
     case("a new model truncating from its first answers is compared against 0 until it has a baseline", [
-        s(req, 'model="new",stop_reason="eos",concurrency="2",route="/v1/chat/completions"', "0+5x20"),
-        s(req, 'model="new",stop_reason="deadline",concurrency="2",route="/v1/chat/completions"', "0+5x20"),
+        answers("new", "eos", "2", "0+5x20"),
+        answers("new", "deadline", "2", "0+5x20"),
         s("llm_proxy_truncated_total", 'model="new",cause="deadline"', "0+5x20"),
     ], [
         {"eval_time": "3m", "alertname": "LLMProxyTruncationSpike", "exp_alerts": []},
@@ -95,7 +112,7 @@ def build_cases() -> list[dict[str, Any]]:
     # --- LLMProxyServerLimitLengthStops
     case("length stops below the requested budget fire for 10 minutes; other causes do not", [
         s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "0x20 3x40"),
-        s("llm_proxy_truncated_total", 'model="n",cause="length"', "0+2x60"),
+        s("llm_proxy_truncated_total", 'model="n",cause="deadline"', "0+2x60"),
     ], [
         {"eval_time": "15m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
         {"eval_time": "25m", "alertname": "LLMProxyServerLimitLengthStops",
@@ -104,8 +121,8 @@ def build_cases() -> list[dict[str, Any]]:
     ])
     # --- LLMProxyClientDisconnectSpike
     case("client disconnects rising over their baseline fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="8",route="/v1/chat/completions"', "0+10x90"),
-        s(req, 'model="m",stop_reason="client_disconnect",concurrency="8",route="/v1/chat/completions"', "0x70 3+3x19"),
+        answers("m", "eos", "8", "0+10x90"),
+        answers("m", "client_disconnect", "8", "0x70 3+3x19"),
         s("llm_proxy_client_disconnects_total", 'phase="before_first_token"', "0x70 3+3x19"),
     ], [
         {"eval_time": "60m", "alertname": "LLMProxyClientDisconnectSpike", "exp_alerts": []},
@@ -113,15 +130,15 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyClientDisconnectSpike", job="llm-diag-proxy")]},
     ])
     case("steady client disconnects are their own baseline: no spike", [
-        s(req, 'model="m",stop_reason="eos",concurrency="8",route="/v1/chat/completions"', "0+10x90"),
-        s(req, 'model="m",stop_reason="client_disconnect",concurrency="8",route="/v1/chat/completions"', "0+3x90"),
+        answers("m", "eos", "8", "0+10x90"),
+        answers("m", "client_disconnect", "8", "0+3x90"),
         s("llm_proxy_client_disconnects_total", 'phase="mid_stream"', "0+3x90"),
     ], [
         {"eval_time": "85m", "alertname": "LLMProxyClientDisconnectSpike", "exp_alerts": []},
     ])
     case("a few disconnects on little traffic do not fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="1",route="/v1/chat/completions"', "0+1x90"),
-        s(req, 'model="m",stop_reason="client_disconnect",concurrency="1",route="/v1/chat/completions"', "0x80 1x9"),
+        answers("m", "eos", "1", "0+1x90"),
+        answers("m", "client_disconnect", "1", "0x80 1x9"),
         s("llm_proxy_client_disconnects_total", 'phase="mid_stream"', "0x80 1x9"),
     ], [
         {"eval_time": "88m", "alertname": "LLMProxyClientDisconnectSpike", "exp_alerts": []},
@@ -137,34 +154,33 @@ def build_cases() -> list[dict[str, Any]]:
     ])
     # --- LLMProxyUpstreamErrors
     case("upstream errors above 5% of requests fire; OOMs are left to their own alert", [
-        s(req, 'model="m",stop_reason="eos",concurrency="4",route="/v1/chat/completions"', "0+10x30"),
-        s(req, 'model="m",stop_reason="upstream_error",concurrency="4",route="/v1/chat/completions"', "0x10 2+2x20"),
-        s("llm_proxy_upstream_errors_total", 'kind="http_status"', "0x10 2+2x20"),
-        s("llm_proxy_upstream_errors_total", 'kind="oom"', "0+5x30"),
+        answers("m", "eos", "4", "0+10x30"),
+        answers("m", "http_5xx", "4", "0x10 2+2x20"),
+        answers("m", "oom", "4", "0+5x30"),
     ], [
         {"eval_time": "10m", "alertname": "LLMProxyUpstreamErrors", "exp_alerts": []},
         {"eval_time": "20m", "alertname": "LLMProxyUpstreamErrors",
-         "exp_alerts": [fired("LLMProxyUpstreamErrors", job="llm-diag-proxy", kind="http_status")]},
+         "exp_alerts": [fired("LLMProxyUpstreamErrors", job="llm-diag-proxy", cause="http_5xx")]},
     ])
     case("rare upstream errors do not fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="4",route="/v1/chat/completions"', "0+10x30"),
-        s("llm_proxy_upstream_errors_total", 'kind="reset"', "0x10 1x20"),
+        answers("m", "eos", "4", "0+10x30"),
+        answers("m", "reset", "4", "0x10 1x20"),
     ], [
         {"eval_time": "20m", "alertname": "LLMProxyUpstreamErrors", "exp_alerts": []},
     ])
     # --- LLMProxyUpstreamRejections
     case("more than 5% of requests refused with 429/503 fires, per model", [
-        s(req, 'model="m",stop_reason="eos",concurrency="16",route="/v1/chat/completions"', "0+10x30"),
-        s(req, 'model="m",stop_reason="rejected",concurrency="16",route="/v1/chat/completions"', "0x10 3+3x20"),
-        s(req, 'model="quiet",stop_reason="eos",concurrency="1",route="/v1/chat/completions"', "0+10x30"),
+        answers("m", "eos", "16", "0+10x30"),
+        answers("m", "rejected", "16", "0x10 3+3x20"),
+        answers("quiet", "eos", "1", "0+10x30"),
     ], [
         {"eval_time": "10m", "alertname": "LLMProxyUpstreamRejections", "exp_alerts": []},
         {"eval_time": "20m", "alertname": "LLMProxyUpstreamRejections",
          "exp_alerts": [fired("LLMProxyUpstreamRejections", job="llm-diag-proxy", model="m")]},
     ])
     case("a few rejections on little traffic do not fire", [
-        s(req, 'model="m",stop_reason="eos",concurrency="1",route="/v1/chat/completions"', "0+1x30"),
-        s(req, 'model="m",stop_reason="rejected",concurrency="1",route="/v1/chat/completions"', "0x10 1+0.5x20"),
+        answers("m", "eos", "1", "0+1x30"),
+        answers("m", "rejected", "1", "0x10 1+0.5x20"),
     ], [
         {"eval_time": "20m", "alertname": "LLMProxyUpstreamRejections", "exp_alerts": []},
     ])
@@ -204,7 +220,7 @@ def build_cases() -> list[dict[str, Any]]:
     ])
     # --- LLMProxyUpstreamPreemptions
     case("a rising preemption counter fires; a flat one does not", [
-        s("llm_proxy_upstream_preemptions", "", "5x10 6+1x10 16x30"),
+        s("llm_proxy_upstream_preemptions_total", "", "5x10 6+1x10 16x30"),
     ], [
         {"eval_time": "5m", "alertname": "LLMProxyUpstreamPreemptions", "exp_alerts": []},
         {"eval_time": "15m", "alertname": "LLMProxyUpstreamPreemptions",
