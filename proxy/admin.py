@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 
 from proxy.concurrency import CONCURRENCY_BUCKETS
 from proxy.metrics import ProxyMetrics
-from proxy.record import STOP_REASONS, LengthCause, ResponseRecord
+from proxy.record import CAUSES, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
 from proxy.store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -74,6 +74,7 @@ def record_query(query: dict[str, str]) -> RecordQuery:
     return RecordQuery(
         stop_reason=_choice(query, "stop_reason", STOP_REASONS),
         length_cause=_choice(query, "length_cause", LENGTH_CAUSES),
+        cause=_choice(query, "cause", CAUSES), outcome=_choice(query, "outcome", OUTCOMES),
         concurrency=_choice(query, "concurrency", CONCURRENCY_BUCKETS),
         model=query.get("model") or None, route=query.get("route") or None,
         since=parse_time("since", query["since"]) if query.get("since") else None,

@@ -146,8 +146,12 @@ class ResponseRecord:
     observer_errors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a flat dict (a shallow copy: dataclasses.asdict's deep copy costs ~10x)."""
-        return {name: getattr(self, name) for name in _RECORD_FIELDS}
+        """The fields as a flat dict (a shallow copy: dataclasses.asdict's deep copy costs ~10x), with
+        the `cause` and `outcome` the metrics count it under."""
+        out = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        out["cause"] = self.cause
+        out["outcome"] = self.outcome
+        return out
 
     @property
     def truncated(self) -> bool:

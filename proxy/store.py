@@ -22,6 +22,8 @@ class RecordQuery:
     model: str | None = None
     route: str | None = None
     length_cause: str | None = None
+    cause: str | None = None  # ResponseRecord.cause: the label of the request metrics
+    outcome: str | None = None  # ResponseRecord.outcome: complete, budget, cut, ...
     concurrency: str | None = None  # the bucket of concurrency_peak: 1, 2, 4, ..., 128+
     since: float | None = None
     until: float | None = None
@@ -33,6 +35,8 @@ class RecordQuery:
                 and (self.model is None or record.model == self.model)
                 and (self.route is None or record.route == self.route)
                 and (self.length_cause is None or record.length_cause == self.length_cause)
+                and (self.cause is None or record.cause == self.cause)
+                and (self.outcome is None or record.outcome == self.outcome)
                 and (self.concurrency is None or concurrency_bucket(record.concurrency_peak) == self.concurrency)
                 and (self.since is None or record.started_at >= self.since)
                 and (self.until is None or record.started_at < self.until))

@@ -213,3 +213,25 @@ async def test_bounded_counters_start_at_zero_so_the_first_event_shows_in_rate(
     assert 'llm_proxy_client_disconnects_total{phase="mid_stream"} 0.0' in text
     assert 'llm_proxy_upstream_errors_total{kind="oom"} 0.0' in text
     assert 'llm_proxy_truncated_total{cause="server_limit",model="m"} 0.0' in text
+
+
+async def test_records_filter_by_cause_and_outcome_as_the_dashboard_links_ask(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    upstream.push(Script(openai_stream(10, "length")), Script(openai_stream(5, "length")), Script(openai_stream(3)))
+    for n, body in enumerate((CHAT, {**CHAT, "max_tokens": 5}, CHAT)):
+        async with client.post(proxy.proxy_url + CHAT_URL, json=body, headers={"X-Request-Id": f"f{n}"}) as response:
+            await response.read()
+    await record_for(proxy, "f2")
+
+    async def ids(query: str) -> list[str]:
+        async with client.get(f"{proxy.admin_url}/api/requests?{query}") as response:
+            assert response.status == 200, query
+            return [r["request_id"] for r in orjson.loads(await response.read())["records"]]
+
+    assert await ids("cause=server_limit") == ["f0"]
+    assert await ids("outcome=budget") == ["f1"]
+    assert await ids("outcome=cut&concurrency=1") == ["f0"]
+    assert await ids("outcome=complete") == ["f2"]
+    for bad in ("cause=length", "outcome=truncated"):
+        async with client.get(f"{proxy.admin_url}/api/requests?{bad}") as response:
+            assert response.status == 400, bad
