@@ -16,7 +16,7 @@ from proxy.cli import CliError, add_serve_arguments, config_from_args, flag_type
 from proxy.config import parse_host_port
 from proxy.simulator.cli import DEFAULT_SCENARIO
 from proxy.simulator.config import SCENARIOS
-from proxy.sweep.cli import add_sweep_arguments, execute, plan_from_args
+from proxy.sweep.cli import add_sweep_arguments, execute, exit_code, plan_from_args
 from proxy.sweep.verdict import Verdict
 
 DEMO_MAX_TOKENS = 128  # the simulator's presets are sized for this budget
@@ -87,7 +87,7 @@ async def demo(args: argparse.Namespace) -> Verdict:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        asyncio.run(demo(args))
+        verdict = asyncio.run(demo(args))
     except KeyboardInterrupt:
         return 0 if args.keep_running else 130
-    return 0
+    return exit_code(verdict, args.fail_on)

@@ -75,8 +75,11 @@ def test_every_chart_is_rendered_by_plotly_in_a_real_browser(page: Path) -> None
     assert sorted(counter.svgs) == [f"chart-{i}" for i in range(len(CHART_TITLES))]
     assert all(count >= 1 for count in counter.svgs.values()), counter.svgs
     assert "js-plotly-plot" in result.stdout
+    dom = result.stdout.replace("&gt;", ">")
     for title in CHART_TITLES:  # plotly writes each title into the SVG as text
-        assert f">{title}</text>" in result.stdout.replace("&gt;", ">")
+        assert f">{title}</text>" in dom
+    assert ">requested budget 200</text>" in dom  # the reference line's label on the output-token chart
+    assert ">complete</text>" in dom and ">requests/s</text>" in dom and ">p99</text>" in dom  # legends
 
 
 def test_the_rendered_page_screenshots(page: Path, tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import orjson
 import pytest
 
 from proxy.config import ConfigError
+from proxy.simulator import SCENARIOS, start_simulator
 from proxy.sweep.cli import parse_levels
+from tests.support.proxies import ProxyFactory
 from tests.support.sweep_upstream import LoadUpstream, running_load
 
 
@@ -95,3 +97,34 @@ async def test_an_admin_that_does_not_know_the_requests_is_said_in_the_footer(lo
         assert admin.server is not None
         await admin.server.close()
     assert "records joined from the proxy: 0 of 3; 3 used the sweep's own record instead" in stdout.decode()
+
+
+@pytest.mark.parametrize(("scenario", "code"), [("clamp", 1), ("healthy", 0)])
+async def test_fail_on_gates_a_ci_job_on_the_verdict(make_proxy: ProxyFactory, tmp_path: Path, scenario: str,
+                                                     code: int) -> None:
+    """The simulator's clamp preset is a serving defect: `--fail-on serving_defect` exits 1 on it,
+    with one line saying why, and 0 on a healthy server."""
+    simulator = await start_simulator(SCENARIOS[scenario])
+    try:
+        proxy = await make_proxy(simulator.url)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "sweep", "--target", proxy.proxy_url, "--admin", proxy.admin_url,
+            "--model", SCENARIOS[scenario].model, "--levels", "1,8", "--repeats", "2", "--max-tokens", "128",
+            "--no-progress", "--out-dir", str(tmp_path), "--fail-on", "serving_defect,policy",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 90)
+    finally:
+        await simulator.close()
+    assert process.returncode == code, (stdout.decode(), stderr.decode())
+    if code:
+        assert "VERDICT (serving_defect)" in stdout.decode()
+        assert stderr.decode() == "llm-diag-proxy: verdict serving_defect is in --fail-on: exit 1\n"
+    else:
+        assert "VERDICT (no_load_effect)" in stdout.decode() and stderr.decode() == ""
+
+
+@pytest.mark.parametrize("bad", ["", "serving-defect", "policy,nonsense"])
+def test_an_unknown_verdict_in_fail_on_is_one_line_and_exit_2(bad: str) -> None:
+    result = cli("sweep", "--target", "http://127.0.0.1:1", "--model", "m", "--fail-on", bad)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "expected a comma-separated list of insufficient_data, baseline_truncation" in result.stderr

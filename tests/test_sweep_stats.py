@@ -152,3 +152,28 @@ def test_a_level_summary_accounts_for_every_response(responses: list[tuple[str, 
     assert s.complete == sum(1 for stop, _ in responses if stop in ("eos", "stop_sequence"))
     assert s.completion_rate == s.complete / s.n
     assert s.output_tokens_q1 <= s.output_tokens_median <= s.output_tokens_q3
+
+
+def test_throughput_and_latency_come_from_the_clients_clock_over_the_levels_wall_time() -> None:
+    samples = level(2, 4, tokens=100)
+    for s, (sent, took) in zip(samples, [(0.0, 1.0), (0.0, 2.0), (1.0, 1.0), (2.0, 2.0)], strict=True):
+        s.client.sent_s, s.client.duration_s = sent, took
+    summary = summarize_level(2, samples)
+    assert summary.wall_s == 4.0  # first sent at 0, last ended at 2 + 2
+    assert (summary.output_tokens_per_s, summary.requests_per_s) == (100.0, 1.0)
+    assert (summary.latency_p50_s, summary.latency_p99_s) == (1.5, pytest.approx(2.0))
+    assert summary.latency_p95_s == pytest.approx(2.0)
+
+
+def test_without_a_client_clock_the_records_give_wall_time_and_latency() -> None:
+    samples = level(1, 3, tokens=10, duration=2.0)  # records rebuilt from history carry no client measure
+    for i, s in enumerate(samples):
+        s.record.started_at = 100.0 + 2.0 * i
+    summary = summarize_level(1, samples)
+    assert summary.wall_s == 6.0 and summary.requests_per_s == 0.5 and summary.output_tokens_per_s == 5.0
+    assert summary.latency_p50_s == 2.0
+
+
+def test_a_level_with_no_measurable_wall_time_has_no_rates() -> None:
+    summary = summarize_level(1, level(1, 2, duration=0.0))
+    assert summary.wall_s is None and summary.output_tokens_per_s is None and summary.requests_per_s is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from proxy.sweep.stats import summarize, summarize_level
-from proxy.sweep.table import COLUMNS, ESTIMATE_NOTE, gib, render, row, seconds, stop_mix
+from proxy.sweep.table import COLUMN_HELP, COLUMNS, ESTIMATE_NOTE, gib, rate, render, row, seconds, stop_mix
 from tests.support.sweep_samples import level, sample
 
 
@@ -25,8 +25,17 @@ def test_a_row_has_every_column_in_order() -> None:
                sample(4, 1, tokens=40, stop="length", length_cause="server_limit", client_disconnected=True)]
     cells = row(summarize_level(4, samples))
     assert len(cells) == len(COLUMNS)
-    assert cells == ("4", "2", "70 [55-85]", "-", "50%", "200ms/200ms", "40ms/40ms", "1", "1", "1/1", "1.00 GiB",
-                     "91%", "eos 1, length:server_limit 1")
+    assert cells == ("4", "2", "70 [55-85]", "-", "50%", "140", "2", "200ms/200ms", "40ms/40ms",
+                     "1.00s/1.00s/1.00s", "1", "1", "1/1", "1.00 GiB", "91%", "eos 1, length:server_limit 1")
+
+
+def test_every_column_has_a_legend() -> None:
+    assert list(COLUMN_HELP) == list(COLUMNS)
+    assert all(COLUMN_HELP.values())
+
+
+def test_rates_keep_three_figures_below_a_hundred() -> None:
+    assert (rate(None), rate(1234.4), rate(12.345), rate(0.4234)) == ("-", "1234", "12.3", "0.423")
 
 
 def test_counted_token_figures_are_marked_as_estimates() -> None:

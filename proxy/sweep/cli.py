@@ -8,9 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO, cast, get_args
 
+from proxy import __version__
 from proxy.cli import CliError, flag_type
 from proxy.config import ConfigError, parse_positive_int, parse_seconds, parse_upstream_url
 from proxy.sweep import export, table
@@ -19,7 +21,7 @@ from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepError, SweepPl
 from proxy.sweep.sample import Sample
 from proxy.sweep.server_info import ServerInfo
 from proxy.sweep.stats import LevelSummary, by_level, summarize
-from proxy.sweep.verdict import Verdict, decide
+from proxy.sweep.verdict import Verdict, VerdictKind, decide
 
 DEFAULT_PROMPT = ("Explain in five short paragraphs how a bicycle's gears work, "
                   "then give three tips for shifting smoothly.")
@@ -57,6 +59,29 @@ def parse_temperature(value: str) -> float:
     return number
 
 
+VERDICT_KINDS: tuple[str, ...] = get_args(VerdictKind)
+FAIL_EXIT = 1  # a verdict named in --fail-on; 2 stays a usage or connection error
+
+
+def parse_verdicts(value: str) -> frozenset[str]:
+    """`serving_defect,policy` -> the verdict kinds that fail the run (exit 1)."""
+    kinds = {p.strip() for p in value.split(",") if p.strip()}
+    unknown = sorted(kinds - set(VERDICT_KINDS))
+    if not kinds or unknown:
+        raise ConfigError(f"invalid verdict {', '.join(map(repr, unknown)) or repr(value)}: expected a "
+                          f"comma-separated list of {', '.join(VERDICT_KINDS)}")
+    return frozenset(kinds)
+
+
+def exit_code(verdict: Verdict, fail_on: frozenset[str] | None, stderr: TextIO | None = None) -> int:
+    """FAIL_EXIT, with one line on stderr, when the verdict is one the user asked to fail on; else 0."""
+    if not fail_on or verdict.kind not in fail_on:
+        return 0
+    print(f"llm-diag-proxy: verdict {verdict.kind} is in --fail-on: exit {FAIL_EXIT}",
+          file=stderr or sys.stderr, flush=True)
+    return FAIL_EXIT
+
+
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """The request and level flags; `demo` reuses them with its own short defaults (set_defaults)."""
     parser.add_argument("--levels", type=flag_type(parse_levels), default=parse_levels(DEFAULT_LEVELS),
@@ -80,6 +105,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", default=None, metavar="FILE.html",
                         help="also write a self-contained HTML report with charts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--fail-on", type=flag_type(parse_verdicts), default=None, metavar="VERDICTS",
+                        help="exit 1 when the verdict is one of these, for a CI gate: comma-separated, of "
+                             f"{', '.join(VERDICT_KINDS)} (default: always exit 0 once the sweep ran)")
 
 
 def register(subparsers: Any) -> None:
@@ -151,7 +179,8 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
         bar.close()
     samples = run.samples
     summaries, verdict = analyse(samples, plan, run.server)
-    described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None}
+    described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None,
+                 "run": run_metadata(plan, run.server)}
     written: list[Path] = []
     try:
         if out_dir is not None:
@@ -159,7 +188,7 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
             directory.mkdir(parents=True, exist_ok=True)
             json_path, csv_path = directory / "sweep.json", directory / "sweep.csv"
             json_path.write_bytes(export.sweep_json(described, summaries, verdict, samples))
-            csv_path.write_text(export.sweep_csv(samples), encoding="utf-8")
+            csv_path.write_text(export.sweep_csv(samples, summaries), encoding="utf-8")
             written += [json_path, csv_path]
         if report_path is not None:
             from proxy.sweep import report  # imported late: plotly is only needed here
@@ -185,7 +214,22 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     return SweepOutcome(list(samples), summaries, verdict, written, run.server)
 
 
+def server_type(server: ServerInfo | None) -> str:
+    """`llama.cpp`, `vLLM`, `Ollama`: named by the endpoint that described the server's context."""
+    if server is None:
+        return "not identified (no llama.cpp /props, vLLM max_model_len or Ollama /api/ps answer)"
+    return server.source.split(" GET ")[0]
+
+
+def run_metadata(plan: SweepPlan, server: ServerInfo | None) -> dict[str, Any]:
+    """What a reader of a saved report needs to know which run it is."""
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "tool": "llm-diag-proxy",
+            "version": __version__, "target": plan.target, "model": plan.model, "dialect": plan.dialect,
+            "server_type": server_type(server), "joined_from_proxy": plan.admin is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, args.target, args.admin, args.model, args.dialect)
-    asyncio.run(execute(plan, out_dir=args.out_dir, report_path=args.report, progress=not args.no_progress))
-    return 0
+    outcome = asyncio.run(execute(plan, out_dir=args.out_dir, report_path=args.report,
+                                  progress=not args.no_progress))
+    return exit_code(outcome.verdict, args.fail_on)

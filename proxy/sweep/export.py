@@ -20,8 +20,12 @@ CSV_RECORD_FIELDS = (
     "deadline_hit", "client_disconnected", "upstream_error", "preemptions_during", "vram_free_min_bytes",
     "kv_cache_usage_max", "concurrency_at_start", "concurrency_mean", "concurrency_peak",
 )
+# The level's figures repeated on each of its rows, so one sheet answers both per-response and
+# per-level questions.
+CSV_LEVEL_FIELDS = ("output_tokens_per_s", "requests_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s")
 CSV_COLUMNS = ("level", "index", "request_id", "record_source", "stop_label", *CSV_RECORD_FIELDS,
-               "client_ttft_s", "client_duration_s", "client_error", "join_note")
+               "client_sent_s", "client_ttft_s", "client_duration_s", "client_error", "join_note",
+               *(f"level_{name}" for name in CSV_LEVEL_FIELDS))
 
 
 def sweep_json(plan: Mapping[str, Any], summaries: Sequence[LevelSummary], verdict: Verdict,
@@ -35,17 +39,20 @@ def sweep_json(plan: Mapping[str, Any], summaries: Sequence[LevelSummary], verdi
     }, option=orjson.OPT_INDENT_2)
 
 
-def sweep_csv(samples: Sequence[Sample]) -> str:
+def sweep_csv(samples: Sequence[Sample], summaries: Sequence[LevelSummary]) -> str:
     """One row per response, the columns of CSV_COLUMNS; empty cells where a figure is unknown."""
+    levels = {summary.level: summary for summary in summaries}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for s in samples:
         record = s.record
+        summary = levels.get(s.level)
         writer.writerow([
             s.level, s.index, s.request_id, s.record_source, stop_label(record),
             *(_cell(getattr(record, name)) for name in CSV_RECORD_FIELDS),
-            _cell(s.client.ttft_s), _cell(s.client.duration_s), _cell(s.client.error), _cell(s.join_note),
+            _cell(s.client.sent_s), _cell(s.client.ttft_s), _cell(s.client.duration_s), _cell(s.client.error),
+            _cell(s.join_note), *(_cell(getattr(summary, name, None)) for name in CSV_LEVEL_FIELDS),
         ])
     return out.getvalue()
 

@@ -11,7 +11,7 @@ from plotly.offline import get_plotlyjs  # type: ignore[import-untyped]
 
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import LevelSummary, output_tokens, stop_label
-from proxy.sweep.table import COLUMNS, ESTIMATE_NOTE, row
+from proxy.sweep.table import COLUMN_HELP, COLUMNS, ESTIMATE_NOTE, row
 from proxy.sweep.verdict import Verdict
 
 # Stop reasons in a fixed order and colour, so two reports read the same way.
@@ -22,10 +22,13 @@ STOP_COLOURS: dict[str, str] = {
     "client_disconnect": "#8c564b", "upstream_disconnect": "#e377c2", "upstream_error": "#7f7f7f",
     "content_filter": "#c49c94", "unknown": "#c7c7c7",
 }
-CHART_TITLES = ("Output tokens per response by concurrency", "Stop reasons by concurrency",
+CHART_TITLES = ("Output tokens per response by concurrency (dashed: the requested budget)",
+                "Completion rate by concurrency", "Stop reasons by concurrency",
+                "Throughput by concurrency", "End-to-end latency percentiles by concurrency",
                 "Time to first token by concurrency",
                 "Inter-token latency (mean per response) by concurrency",
                 "Duration vs output tokens (a wall-clock cap shows as a vertical wall)")
+MS = 1000.0
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
 
@@ -45,29 +48,62 @@ def _box_figure(groups: Mapping[int, Sequence[Sample]], values: Any, title: str,
     return figure
 
 
-def charts(groups: Mapping[int, Sequence[Sample]]) -> list[Any]:
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * MS
+
+
+def _line_figure(summaries: Sequence[LevelSummary], title: str, y_title: str,
+                 lines: Mapping[str, Any], **layout: Any) -> Any:
+    """One line per figure of the summaries (None leaves a gap), concurrency as categories."""
+    figure = go.Figure()
+    levels = [str(s.level) for s in summaries]
+    for name, value in lines.items():
+        figure.add_trace(go.Scatter(x=levels, y=[value(s) for s in summaries], mode="lines+markers", name=name))
+    figure.update_layout(**_layout(title, "concurrency", y_title, showlegend=True, **layout))
+    figure.update_xaxes(type="category")
+    return figure
+
+
+def charts(groups: Mapping[int, Sequence[Sample]], summaries: Sequence[LevelSummary]) -> list[Any]:
     """The report's figures, in CHART_TITLES order."""
     levels = [str(level) for level in groups]
     tokens = _box_figure(groups, lambda s: output_tokens(s.record), CHART_TITLES[0], "output tokens")
+    budgets = sorted({s.requested_max_tokens for s in summaries if s.requested_max_tokens is not None})
+    for budget in budgets:
+        tokens.add_hline(y=budget, line={"dash": "dash", "color": "#555"},
+                         annotation={"text": f"requested budget {budget}"}, annotation_position="top left")
+    completion = _line_figure(summaries, CHART_TITLES[1], "answers complete (%)",
+                              {"complete": lambda s: s.completion_rate * 100},
+                              yaxis={"title": {"text": "answers complete (%)"}, "range": [0, 105]})
+    throughput = _line_figure(summaries, CHART_TITLES[3], "output tokens/s",
+                              {"output tokens/s": lambda s: s.output_tokens_per_s})
+    throughput.add_trace(go.Scatter(x=[str(s.level) for s in summaries], y=[s.requests_per_s for s in summaries],
+                                    mode="lines+markers", name="requests/s", yaxis="y2"))
+    throughput.update_layout(yaxis2={"title": {"text": "requests/s"}, "overlaying": "y", "side": "right",
+                                     "rangemode": "tozero"}, yaxis={"rangemode": "tozero",
+                                                                    "title": {"text": "output tokens/s"}})
+    latency = _line_figure(summaries, CHART_TITLES[4], "ms", {
+        "p50": lambda s: _ms(s.latency_p50_s), "p95": lambda s: _ms(s.latency_p95_s),
+        "p99": lambda s: _ms(s.latency_p99_s)})
     stops = go.Figure()
     labels = sorted({stop_label(s.record) for samples in groups.values() for s in samples},
                     key=lambda k: list(STOP_COLOURS).index(k) if k in STOP_COLOURS else len(STOP_COLOURS))
     for label in labels:
         counts = [sum(1 for s in samples if stop_label(s.record) == label) for samples in groups.values()]
         stops.add_trace(go.Bar(x=levels, y=counts, name=label, marker={"color": STOP_COLOURS.get(label)}))
-    stops.update_layout(**_layout(CHART_TITLES[1], "concurrency", "responses", barmode="stack",
+    stops.update_layout(**_layout(CHART_TITLES[2], "concurrency", "responses", barmode="stack",
                                   showlegend=True))
     stops.update_xaxes(type="category")
-    ttft = _box_figure(groups, lambda s: s.record.ttft_s, CHART_TITLES[2], "seconds")
-    itl = _box_figure(groups, lambda s: s.record.itl_mean_s, CHART_TITLES[3], "seconds")
+    ttft = _box_figure(groups, lambda s: _ms(s.record.ttft_s), CHART_TITLES[5], "ms")
+    itl = _box_figure(groups, lambda s: _ms(s.record.itl_mean_s), CHART_TITLES[6], "ms")
     scatter = go.Figure()
     for level, samples in groups.items():
         scatter.add_trace(go.Scatter(
-            x=[s.record.duration_s for s in samples], y=[output_tokens(s.record) for s in samples],
+            x=[s.record.duration_s * MS for s in samples], y=[output_tokens(s.record) for s in samples],
             mode="markers", name=f"c={level}", marker={"size": 7, "opacity": 0.75},
-            text=[stop_label(s.record) for s in samples], hovertemplate="%{x:.2f}s, %{y} tokens, %{text}"))
-    scatter.update_layout(**_layout(CHART_TITLES[4], "duration (s)", "output tokens"))
-    return [tokens, stops, ttft, itl, scatter]
+            text=[stop_label(s.record) for s in samples], hovertemplate="%{x:.0f} ms, %{y} tokens, %{text}"))
+    scatter.update_layout(**_layout(CHART_TITLES[7], "duration (ms)", "output tokens"))
+    return [tokens, completion, stops, throughput, latency, ttft, itl, scatter]
 
 
 def _table_html(summaries: Sequence[LevelSummary]) -> str:
@@ -75,7 +111,24 @@ def _table_html(summaries: Sequence[LevelSummary]) -> str:
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row(s)) + "</tr>"
                    for s in summaries)
     note = f"<p>{html.escape(ESTIMATE_NOTE)}</p>" if any(s.tokens_counted for s in summaries) else ""
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
+    legend = "".join(f"<dt>{html.escape(column)}</dt><dd>{html.escape(COLUMN_HELP[column])}</dd>"
+                     for column in COLUMNS)
+    return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
+            f'<dl class="legend">{legend}</dl>')
+
+
+RUN_FIELDS = (("date", "Run"), ("tool", "Tool"), ("version", "Version"), ("target", "Target"),
+              ("model", "Model"), ("dialect", "Dialect"), ("server_type", "Server"))
+
+
+def _metadata_html(plan: Mapping[str, Any]) -> str:
+    """Which run this is: date, tool version, target, model, server type (what `run` holds)."""
+    run = plan.get("run") or {}
+    known = {**{k: plan.get(k) for k in ("target", "model", "dialect")}, **run}
+    cells = "".join(f"<dt>{label}</dt><dd>{html.escape(str(known[key]))}</dd>"
+                    for key, label in RUN_FIELDS if known.get(key) is not None)
+    return f'<dl class="run">{cells}</dl>'
+
 
 
 def _verdict_html(verdict: Verdict) -> str:
@@ -94,8 +147,8 @@ def render(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     figures = "".join(
         '<div class="chart">' + figure.to_html(full_html=False, include_plotlyjs=False,
                                                 div_id=f"chart-{i}", config=PLOT_CONFIG) + "</div>"
-        for i, figure in enumerate(charts(groups)))
-    settings = ", ".join(f"{k}={v}" for k, v in plan.items() if k not in ("prompt", "admin_token"))
+        for i, figure in enumerate(charts(groups, summaries)))
+    settings = ", ".join(f"{k}={v}" for k, v in plan.items() if k not in ("prompt", "admin_token", "run"))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>llm-diag-proxy concurrency sweep</title>
 <style>
@@ -107,10 +160,15 @@ td:last-child, th:last-child {{ text-align: left; }}
 .verdict-no_load_effect {{ border-left-color: #2ca02c; }}
 .chart {{ max-width: 1100px; }}
 .settings {{ color: #666; font-size: 13px; }}
+dl.run {{ display: grid; grid-template-columns: max-content auto; gap: 2px 1em; font-size: 14px; }}
+dl.run dt {{ font-weight: 600; }} dl.run dd {{ margin: 0; }}
+dl.legend {{ font-size: 13px; color: #444; columns: 2; }}
+dl.legend dt {{ font-weight: 600; }} dl.legend dd {{ margin: 0 0 0.4em 1em; }}
 </style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>Concurrency sweep</h1>
+{_metadata_html(plan)}
 <p class="settings">{html.escape(settings)}</p>
 {_verdict_html(verdict)}
 <h2>Per level</h2>

@@ -151,13 +151,16 @@ async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int,
     counter = itertools.count()
     samples: list[Sample] = []
     in_flight = 0
+    started = time.monotonic()
 
     async def slot() -> None:
         nonlocal in_flight
         while (index := next(counter)) < total:
             in_flight += 1
+            sent = time.monotonic() - started
             sample = await send_one(session, plan, body, str(uuid.uuid4()), level, index, in_flight,
                                     send_id=send_id)
+            sample.client.sent_s = sent
             in_flight -= 1
             samples.append(sample)
             on_done()

@@ -22,6 +22,7 @@ class ClientMeasure:
     duration_s: float = 0.0
     in_flight_at_start: int = 0
     error: str | None = None
+    sent_s: float = 0.0  # when it was sent, in seconds from the start of its level
 
 
 @dataclass(slots=True)

@@ -129,6 +129,12 @@ class LevelSummary:
     joined: int
     reasoning_share_median: float | None = None  # of the budget, over responses whose share is known
     reasoning_heavy: int = 0  # length stops whose budget went mostly to reasoning
+    wall_s: float | None = None  # the level's wall time: first request sent to last answer ended
+    output_tokens_per_s: float | None = None  # all output tokens of the level over wall_s
+    requests_per_s: float | None = None  # responses over wall_s
+    latency_p50_s: float | None = None  # end to end, as the client saw it (send to last byte)
+    latency_p95_s: float | None = None
+    latency_p99_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +160,8 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
     shares = _present(r.reasoning_share for r in records)
     joined = [s for s in samples if s.record_source == "proxy"]
     complete = sum(1 for r in records if is_complete(r))
+    latencies = [latency(s) for s in samples]
+    wall = wall_time(samples)
     return LevelSummary(
         level=level,
         n=len(records),
@@ -185,7 +193,32 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         joined=len(joined),
         reasoning_share_median=median(shares) if any(shares) else None,
         reasoning_heavy=sum(1 for r in records if r.budget_mostly_reasoning),
+        wall_s=wall,
+        output_tokens_per_s=sum(tokens) / wall if wall else None,
+        requests_per_s=len(records) / wall if wall else None,
+        latency_p50_s=quantile(latencies, 0.5),
+        latency_p95_s=quantile(latencies, 0.95),
+        latency_p99_s=quantile(latencies, 0.99),
     )
+
+
+def latency(sample: Sample) -> float:
+    """End-to-end latency of one response: the client's own clock where it measured one, else
+    the record's (a record rebuilt from history has no client)."""
+    return sample.client.duration_s if sample.client.duration_s > 0 else sample.record.duration_s
+
+
+def wall_time(samples: Sequence[Sample]) -> float | None:
+    """From the first request sent to the last answer ended: on the client's clock where the
+    sweep measured it, else on the records' (started_at + duration_s); None when zero."""
+    measured = [s for s in samples if s.client.duration_s > 0]
+    if measured:
+        wall = (max(s.client.sent_s + s.client.duration_s for s in measured)
+                - min(s.client.sent_s for s in measured))
+    else:
+        wall = (max(s.record.started_at + s.record.duration_s for s in samples)
+                - min(s.record.started_at for s in samples))
+    return wall if wall > 0 else None
 
 
 def summarize(samples: Iterable[Sample]) -> list[LevelSummary]:

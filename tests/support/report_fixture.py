@@ -21,4 +21,7 @@ def capped_report() -> str:
     samples = capped_samples()
     summaries = summarize(samples)
     verdict = decide(summaries, by_level(samples))
-    return render(summaries, by_level(samples), verdict, {"target": "http://127.0.0.1:8080", "levels": "1,2,4,8"})
+    run = {"date": "2026-12-03T10:00:00+00:00", "tool": "llm-diag-proxy", "version": "0.1.0",
+           "target": "http://127.0.0.1:8080", "model": "qwen3:8b", "dialect": "openai", "server_type": "vLLM"}
+    return render(summaries, by_level(samples), verdict,
+                  {"target": "http://127.0.0.1:8080", "levels": "1,2,4,8", "run": run})
