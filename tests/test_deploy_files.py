@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -191,7 +192,7 @@ def test_every_panel_an_alert_points_to_exists_on_the_dashboard() -> None:
 
 def test_promtool_alert_cases_are_up_to_date_with_the_rules() -> None:
     assert alert_cases.OUTPUT.read_text() == alert_cases.rendered(), (
-        "tests/promtool/alerts_test.yml is stale: run python tests/promtool/build_alert_cases.py")
+        "tests/promtool/alerts_test.yml is stale: run python3 -m tests.promtool.build_alert_cases")
 
 
 def test_every_alert_has_promtool_tests_that_fire_and_that_do_not() -> None:
@@ -291,28 +292,36 @@ def test_grafana_provisioning_points_at_the_dashboard_folder_and_prometheus() ->
 
 # --- docker compose -----------------------------------------------------------------------------
 
-def test_compose_publishes_only_the_proxy_and_grafana_and_only_on_loopback() -> None:
+def test_compose_publishes_only_the_proxies_and_grafana_and_only_on_loopback() -> None:
     published = {name: svc["ports"] for name, svc in compose()["services"].items() if "ports" in svc}
-    assert set(published) == {"proxy", "proxy-vllm", "grafana"}
+    assert set(published) == {"proxy", "proxy-vllm", "proxy-cpu", "grafana"}
     for ports in published.values():
         for port in ports:
             assert default_of(port).startswith("127.0.0.1:"), port
+    # The admin port too, so the dashboard's record links open in the browser on this machine.
+    assert "127.0.0.1:9464:9464" in {default_of(port) for port in published["proxy-cpu"]}
+    grafana = compose()["services"]["grafana"]["environment"]
+    assert default_of(grafana["LLM_DIAG_ADMIN_URL"]) == "http://127.0.0.1:9464"
 
 
 def test_compose_profiles_swap_the_inference_server_and_its_proxy() -> None:
     services = compose()["services"]
     assert services["ollama"]["profiles"] == services["proxy"]["profiles"] == ["ollama"]
     assert services["vllm"]["profiles"] == services["proxy-vllm"]["profiles"] == ["vllm"]
+    assert services["ollama-cpu"]["profiles"] == services["proxy-cpu"]["profiles"] == ["cpu"]
     assert services["proxy"]["environment"]["LLM_DIAG_UPSTREAM"] == "http://ollama:11434"
     assert services["proxy-vllm"]["environment"]["LLM_DIAG_UPSTREAM"] == "http://vllm:8000"
-    # Prometheus finds either proxy under the one name `proxy`.
-    assert services["proxy-vllm"]["networks"]["default"]["aliases"] == ["proxy"]
+    assert services["proxy-cpu"]["environment"]["LLM_DIAG_UPSTREAM"] == "http://ollama-cpu:11434"
+    # Prometheus finds any proxy under the one name `proxy`; the CPU server answers to `ollama` too.
+    for name in ("proxy", "proxy-vllm", "proxy-cpu"):
+        assert services[name]["networks"]["default"]["aliases"] == ["proxy"], name
+    assert services["ollama-cpu"]["networks"]["default"]["aliases"] == ["ollama"]
     for name in ("prometheus", "grafana", "alertmanager"):
         assert "profiles" not in services[name]
     assert services["vllm"]["image"].startswith("vllm/vllm-openai:")
 
 
-def test_compose_reserves_gpus_for_the_servers_and_nvml_for_the_proxies() -> None:
+def test_compose_reserves_gpus_for_the_gpu_profiles_only() -> None:
     services = compose()["services"]
     for name in ("ollama", "vllm", "proxy", "proxy-vllm"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
@@ -320,7 +329,32 @@ def test_compose_reserves_gpus_for_the_servers_and_nvml_for_the_proxies() -> Non
     for name in ("proxy", "proxy-vllm"):
         env = services[name]["environment"]
         assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
-        assert default_of(env["LLM_DIAG_ADMIN_LISTEN"]) == "0.0.0.0:9464"  # reached by Prometheus only
+    for name in ("proxy", "proxy-vllm", "proxy-cpu"):
+        env = services[name]["environment"]
+        assert default_of(env["LLM_DIAG_ADMIN_LISTEN"]) == "0.0.0.0:9464"  # reached through the network
+    for name in ("ollama-cpu", "proxy-cpu"):
+        assert "deploy" not in services[name], name
+        assert not any(key.startswith("NVIDIA_") for key in services[name].get("environment", {})), name
+    command = services["proxy-cpu"]["command"]
+    assert command[command.index("--gpu-poll-interval") + 1] == "0"
+
+
+def test_compose_pins_every_image_and_needs_a_grafana_password() -> None:
+    for name, service in compose()["services"].items():
+        tag = default_of(service["image"]).rsplit(":", 1)[1]
+        assert tag not in ("", "latest") and any(c.isdigit() for c in tag), (name, service["image"])
+    password = compose()["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), password  # required, no weak default
+
+
+def test_compose_prometheus_stores_exemplars() -> None:
+    assert "--enable-feature=exemplar-storage" in compose()["services"]["prometheus"]["command"]
+
+
+def test_the_root_dockerignore_keeps_what_the_image_build_keeps() -> None:
+    def rules(path: Path) -> list[str]:
+        return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    assert rules(ROOT / ".dockerignore") == rules(ROOT / "deploy/Dockerfile.dockerignore")
 
 
 def test_compose_keeps_model_caches_and_prometheus_data_in_volumes() -> None:
@@ -347,15 +381,38 @@ def compose_command() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", ["ollama", "vllm"])
-def test_docker_compose_config_accepts_each_profile(profile: str) -> None:
+def compose_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = compose_command()
     if command is None:
         pytest.skip("neither the docker compose plugin nor docker-compose is installed "
                     "(apt-get install docker-compose)")
-    result = subprocess.run([*command, "-f", str(COMPOSE), "--profile", profile, "config", "-q"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    environment = {key: value for key, value in os.environ.items() if not key.startswith(("GRAFANA_", "LLM_DIAG_"))}
+    return subprocess.run([*command, "-f", str(COMPOSE), *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env={**environment, **(env or {})}, check=False)
+
+
+@pytest.mark.parametrize("profile", ["ollama", "vllm", "cpu"])
+def test_docker_compose_config_accepts_each_profile(profile: str) -> None:
+    result = compose_config("--profile", profile, "config", "-q", env={"GRAFANA_ADMIN_PASSWORD": "s3cret"})
     assert result.returncode == 0, result.stderr
+
+
+def test_docker_compose_cpu_profile_reserves_no_device_anywhere() -> None:
+    result = compose_config("--profile", "cpu", "config", env={"GRAFANA_ADMIN_PASSWORD": "s3cret"})
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    # The standalone docker-compose prints every service; the plugin only the active ones.
+    active = {name: svc for name, svc in services.items() if set(svc.get("profiles", ["cpu"])) & {"cpu"}}
+    assert {"ollama-cpu", "proxy-cpu", "prometheus", "grafana", "alertmanager"} <= set(active)
+    for name, service in active.items():
+        assert "devices" not in json.dumps(service.get("deploy", {})), name
+        assert "runtime" not in service and "gpus" not in service, name
+
+
+def test_docker_compose_refuses_to_start_grafana_without_a_password() -> None:
+    result = compose_config("--profile", "cpu", "config", "-q")
+    assert result.returncode != 0
+    assert "set GRAFANA_ADMIN_PASSWORD to the Grafana admin password" in result.stderr
 
 
 # --- the image ----------------------------------------------------------------------------------
@@ -428,23 +485,88 @@ def test_k8s_core_manifests_validate_against_the_kubernetes_schemas() -> None:
     kubernetes_validate = pytest.importorskip(
         "kubernetes_validate", reason="pip install kubernetes-validate (offline Kubernetes JSON schemas)")
     objects = k8s_objects()
-    for kind in ("Deployment", "Service", "PersistentVolumeClaim"):
+    for kind in ("Deployment", "Service", "PersistentVolumeClaim", "NetworkPolicy"):
         kubernetes_validate.validate(objects[kind], "1.30", strict=True)
+
+
+CRD_SCHEMAS = Path(os.environ.get("LLM_DIAG_CACHE", Path.home() / ".cache/llm-diag-proxy")) / (
+    "prometheus-operator-schemas-6.0.0/node_modules/@kubernetes-models/prometheus-operator")
+
+
+def validate_crds(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each object checked against the Prometheus Operator's CRD schemas (tools/setup_crd_schemas.sh)."""
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed (apt-get install -y nodejs npm): no CRD schema check")
+    if not CRD_SCHEMAS.is_dir():
+        pytest.skip(f"no CRD schemas at {CRD_SCHEMAS}: run tools/setup_crd_schemas.sh")
+    result = subprocess.run(["node", str(ROOT / "tests/support/validate_crds.mjs"), str(CRD_SCHEMAS)],
+                            input=json.dumps(objects), capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    checked: list[dict[str, Any]] = json.loads(result.stdout)
+    return checked
+
+
+def test_k8s_servicemonitor_and_prometheusrule_validate_against_the_operators_crd_schemas() -> None:
+    objects = k8s_objects()
+    checked = validate_crds([objects["ServiceMonitor"], objects["PrometheusRule"]])
+    assert [(c["kind"], c["errors"]) for c in checked] == [("ServiceMonitor", []), ("PrometheusRule", [])]
+    # The check has teeth: a mistyped field and a bad duration are refused.
+    broken_monitor = {**objects["ServiceMonitor"], "spec": {**objects["ServiceMonitor"]["spec"], "endpoints": "metrics"}}
+    rule = objects["PrometheusRule"]
+    group = {**rule["spec"]["groups"][0], "rules": [{"alert": "X", "expr": "up", "for": "5 minutes"}]}
+    broken_rule = {**rule, "spec": {"groups": [group]}}
+    refused = validate_crds([broken_monitor, broken_rule])
+    assert all(c["errors"] for c in refused), refused
 
 
 def test_k8s_service_selects_the_pods_and_the_servicemonitor_selects_the_service() -> None:
     objects = k8s_objects()
     pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    # The pods are vLLM's; the proxy is their sidecar and the Service is the proxy's.
+    assert pod_labels["app.kubernetes.io/name"] == "vllm"
+    assert pod_labels["app.kubernetes.io/part-of"] == "llm-diag-proxy"
+    assert objects["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert objects["PersistentVolumeClaim"]["metadata"]["labels"]["app.kubernetes.io/name"] == "vllm"
     service = objects["Service"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert service["metadata"]["name"] == "llm-diag-proxy"  # the job label the rules expect
+    assert service["metadata"]["labels"]["app.kubernetes.io/name"] == "llm-diag-proxy"
     monitor = objects["ServiceMonitor"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert not monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     service_ports = {port["name"] for port in service["spec"]["ports"]}
     assert {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]} <= service_ports
     containers = {c["name"]: c for c in objects["Deployment"]["spec"]["template"]["spec"]["containers"]}
     container_ports = {port["name"] for port in containers["llm-diag-proxy"]["ports"]}
     assert {port["targetPort"] for port in service["spec"]["ports"]} <= container_ports
+
+
+def test_k8s_admin_port_is_open_to_prometheus_only_and_its_api_needs_the_secret_token() -> None:
+    objects = k8s_objects()
+    policy = objects["NetworkPolicy"]["spec"]
+    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["ingress"]}
+    assert set(rules) == {"http", "metrics"}
+    assert "from" not in rules["http"]  # clients: anyone who may reach the Service
+    (source,) = rules["metrics"]["from"]
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "namespaceSelector" in source
+    containers = {c["name"]: c for c in objects["Deployment"]["spec"]["template"]["spec"]["containers"]}
+    env = {e["name"]: e for e in containers["llm-diag-proxy"]["env"]}
+    secret = env["LLM_DIAG_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "llm-diag-proxy-admin", "key": "token", "optional": False}
+
+
+def test_k8s_readiness_does_not_wait_on_the_upstream_and_images_are_pinned() -> None:
+    containers = {c["name"]: c for c in k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]}
+    probe = containers["llm-diag-proxy"]["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz"  # not ?upstream=required: a slow vLLM keeps the replica in service
+    tag = containers["vllm"]["image"].rsplit(":", 1)[1]
+    assert tag != "latest" and any(c.isdigit() for c in tag)
+    (kustomization,) = yaml_docs(K8S / "kustomization.yaml")
+    assert all(image["newTag"] != "latest" for image in kustomization["images"])
 
 
 def test_k8s_sidecar_is_the_only_way_in_and_runs_locked_down() -> None:

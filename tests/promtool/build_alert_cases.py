@@ -2,7 +2,7 @@
 
 The cases (input series, times, expected labels) are written here; the expected annotations are the
 rules' own text with `{{ $labels.x }}` filled in, so a reworded description needs no hand edit:
-run `python tests/promtool/build_alert_cases.py`. tests/test_deploy_files.py fails when the YAML is
+run `python3 -m tests.promtool.build_alert_cases`. tests/test_deploy_files.py fails when the YAML is
 stale, and promtool (tests/test_deploy_promtool.py) checks that Prometheus renders them the same.
 """
 
