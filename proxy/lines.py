@@ -22,6 +22,11 @@ class LineSplitter:
         self._skipping = False  # inside an over-long line, discarding until its end
         self.overlong = 0  # over-long lines seen
 
+    @property
+    def clean(self) -> bool:
+        """Nothing held: the next byte starts a line."""
+        return not self._buffer and not self._cr_pending and not self._skipping
+
     def feed(self, chunk: bytes) -> list[bytes]:
         """The lines that `chunk` completes, in order."""
         if self._cr_pending:

@@ -17,6 +17,10 @@ class NdjsonDecoder:
     def overlong_lines(self) -> int:
         return self._lines.overlong
 
+    @property
+    def clean(self) -> bool:
+        return self._lines.clean
+
     def feed(self, chunk: bytes) -> list[bytes]:
         return [line for line in self._lines.feed(chunk) if line.strip()]
 

@@ -16,8 +16,9 @@ import orjson
 
 from proxy.budget import UNLIMITED, ByteBudget
 from proxy.dialects.base import Dialect
-from proxy.events import DONE, NO_EVENTS, Event, ParseError
+from proxy.events import DONE, NO_EVENTS, Event, ParseError, TokenDelta
 from proxy.ndjson import NdjsonDecoder
+from proxy.plain import EVENTS, NOT_PLAIN, REASONING, UNSAFE, VISIBLE, PlainTokens
 from proxy.sse import SseDecoder
 
 _NO_EVENTS = NO_EVENTS
@@ -57,23 +58,134 @@ def _interpret(interpret: Interpret, payload: bytes | bytearray) -> list[Event]:
         return [ParseError(f"{type(exc).__name__}: {str(exc)[:200]}")]
 
 
-class SseParser:
-    """Server-sent events (OpenAI-compatible, Anthropic, Responses, llama.cpp)."""
+class _StreamParser:
+    """What SSE and NDJSON share: one payload in, its events out, plain tokens counted from their
+    bytes where the response's learned shapes allow (proxy/plain.py), the rest decoded."""
 
-    __slots__ = ("_decoder", "_interpret", "_overlong")
+    __slots__ = ("_interpret", "_max_line", "_overlong", "_plain")
     streaming = True
 
-    def __init__(self, interpret: Interpret, max_line: int) -> None:
-        self._decoder = SseDecoder(max_line)
+    def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None) -> None:
         self._interpret = interpret
+        self._max_line = max_line
         self._overlong = 0
+        self._plain = plain
+
+    def _payload(self, data: bytes) -> list[Event]:
+        plain = self._plain
+        if plain is None:
+            return _interpret(self._interpret, data)
+        found = plain.count(data)
+        if found != NOT_PLAIN:
+            return EVENTS[found]
+        events = _interpret(self._interpret, data)
+        plain.decoded(data, events)
+        return events
+
+
+def _tokens(events: list[Event], visible: int, reasoning: int) -> list[Event]:
+    """The plain tokens of one read, counted into one event of each kind."""
+    if visible:
+        events.append(TokenDelta(visible))
+    if reasoning:
+        events.append(TokenDelta(reasoning, reasoning=True))
+    return events
+
+
+class SseParser(_StreamParser):
+    """Server-sent events (OpenAI-compatible, Anthropic, Responses, llama.cpp).
+
+    The fast path works once per read, not per event: when the decoder holds nothing and the read
+    has no CR, the complete events in it are split at their blank lines in one call, and an event
+    of one `data:` line (after an optional `event:` line) is taken as it stands: counted when it
+    is a plain token, else decoded, in order; anything else, and what the read leaves open, goes
+    through the decoder. Records come out identical either way (tests/test_fast_path.py).
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None = None) -> None:
+        super().__init__(interpret, max_line, plain)
+        self._decoder = SseDecoder(max_line)
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self._plain is None or b"\r" in chunk:
+            return self._decode(chunk)
+        if not self._decoder.clean:  # the last read ended inside an event: the decoder finishes it
+            first = chunk.find(b"\n\n")
+            if first < 0:
+                return self._decode(chunk)
+            finished = self._decode(chunk[:first + 2])  # ends on a blank line: the decoder is clean
+            rest = chunk[first + 2:]
+            end = rest.rfind(b"\n\n")
+            if end < 0 or not self._decoder.clean:  # (a CR of the last read can still be pending)
+                more = self._decode(rest) if rest else []
+            else:
+                more = self._feed_events(rest, end, self._plain)
+            return [*finished, *more] if finished else more
+        end = chunk.rfind(b"\n\n")
+        if end >= 0:
+            return self._feed_events(chunk, end, self._plain)
+        return self._decode(chunk)
+
+    def _decode(self, chunk: bytes) -> list[Event]:
         payloads = self._decoder.feed(chunk)
         if self._decoder.overlong_lines != self._overlong:
             self._overlong = self._decoder.overlong_lines
             return [ParseError("a line exceeded the line limit"), *self._events(payloads)]
         return self._events(payloads) if payloads else _NO_EVENTS
+
+    def _feed_events(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+        """The read's complete events (up to `end`, a blank line), then what it leaves open.
+
+        The one learned shape of a response is tried inline first, against the whole block
+        (`data: ` and all): the common case costs two comparisons and one search per event.
+        """
+        events: list[Event] = []
+        visible = reasoning = 0
+        limit = self._max_line
+        ascii_read = chunk.isascii()
+        unsafe = UNSAFE.search
+        inline = plain.inline(b"data: ") if ascii_read else None
+        for block in chunk[:end].split(b"\n\n"):
+            if inline is not None:
+                head, tail, kind = inline
+                if block.startswith(head) and block.endswith(tail) and len(block) <= limit:
+                    stop = len(block) - len(tail)
+                    if stop > len(head) and unsafe(block, len(head), stop) is None:
+                        if kind == VISIBLE:
+                            visible += 1
+                        else:
+                            reasoning += 1
+                        continue
+            if block.startswith(b"data: "):
+                start = 6
+            elif block.startswith(b"event:"):
+                start = block.find(b"\n") + 1
+                start = start + 6 if start and block.startswith(b"data: ", start) else -1
+            else:
+                start = -1
+            if start < 0 or len(block) > limit or block.find(b"\n", start) >= 0:
+                if block:
+                    events.extend(self._decode(block + b"\n\n"))  # the decoder is clean: exact
+                continue
+            data = block[start:]
+            found = plain.count(data)
+            if found == VISIBLE:
+                visible += 1
+            elif found == REASONING:
+                reasoning += 1
+            elif found == NOT_PLAIN:
+                events.extend(self._event(data))
+                if ascii_read:
+                    inline = plain.inline(b"data: ")  # what was decoded may have taught a shape
+        if visible:
+            events.append(TokenDelta(visible))
+        if reasoning:
+            events.append(TokenDelta(reasoning, reasoning=True))
+        if end + 2 < len(chunk):
+            events.extend(self._decode(chunk[end + 2:]))
+        return events
 
     def close(self) -> list[Event]:
         self._decoder.close()
@@ -90,21 +202,39 @@ class SseParser:
     def _event(self, data: bytes) -> list[Event]:
         if data[:6] == _DONE_PAYLOAD and data.strip() == _DONE_PAYLOAD:
             return [DONE]
-        return _interpret(self._interpret, data)
+        return self._payload(data)
 
 
-class NdjsonParser:
-    """Newline-delimited JSON (Ollama's native stream)."""
+class NdjsonParser(_StreamParser):
+    """Newline-delimited JSON (Ollama's native stream), with the same per-read fast path as SSE."""
 
-    __slots__ = ("_decoder", "_interpret", "_overlong")
-    streaming = True
+    __slots__ = ("_decoder",)
 
-    def __init__(self, interpret: Interpret, max_line: int) -> None:
+    def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None = None) -> None:
+        super().__init__(interpret, max_line, plain)
         self._decoder = NdjsonDecoder(max_line)
-        self._interpret = interpret
-        self._overlong = 0
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self._plain is None or b"\r" in chunk:
+            return self._decode(chunk)
+        if not self._decoder.clean:  # the last read ended inside a line: the decoder finishes it
+            first = chunk.find(b"\n")
+            if first < 0:
+                return self._decode(chunk)
+            finished = self._decode(chunk[:first + 1])
+            rest = chunk[first + 1:]
+            end = rest.rfind(b"\n")
+            if end < 0 or not self._decoder.clean:
+                more = self._decode(rest) if rest else []
+            else:
+                more = self._feed_lines(rest, end, self._plain)
+            return [*finished, *more] if finished else more
+        end = chunk.rfind(b"\n")
+        if end >= 0:
+            return self._feed_lines(chunk, end, self._plain)
+        return self._decode(chunk)
+
+    def _decode(self, chunk: bytes) -> list[Event]:
         lines = self._decoder.feed(chunk)
         events = self._events(lines) if lines else _NO_EVENTS
         if self._decoder.overlong_lines != self._overlong:
@@ -112,15 +242,35 @@ class NdjsonParser:
             return [ParseError("a line exceeded the line limit"), *events]
         return events
 
+    def _feed_lines(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+        events: list[Event] = []
+        counts = [0, 0, 0]  # by plain.count's answer: empty, visible, reasoning
+        limit = self._max_line
+        count = plain.count
+        for line in chunk[:end].split(b"\n"):
+            if len(line) > limit:
+                events.extend(self._decode(line + b"\n"))  # dropped and counted, as the decoder does
+                continue
+            found = count(line)
+            if found == NOT_PLAIN:
+                if line.strip():
+                    events.extend(self._payload(line))
+            elif found:
+                counts[found] += 1
+        _tokens(events, counts[VISIBLE], counts[REASONING])
+        if end + 1 < len(chunk):
+            events.extend(self._decode(chunk[end + 1:]))
+        return events
+
     def close(self) -> list[Event]:
         return self._events(self._decoder.close())
 
     def _events(self, lines: list[bytes]) -> list[Event]:
         if len(lines) == 1:
-            return _interpret(self._interpret, lines[0])
+            return self._payload(lines[0])
         events: list[Event] = []
         for line in lines:
-            events.extend(_interpret(self._interpret, line))
+            events.extend(self._payload(line))
         return events
 
 
@@ -232,15 +382,19 @@ class DecompressingParser:
 
 
 def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *, max_line: int, body_cap: int,
-               budget: ByteBudget = UNLIMITED, content_length: int | None = None) -> ResponseParser:
-    """The parser for one response in `dialect`, its framing chosen by what the server declared."""
+               budget: ByteBudget = UNLIMITED, content_length: int | None = None,
+               fast_path: bool = True) -> ResponseParser:
+    """The parser for one response in `dialect`, its framing chosen by what the server declared
+    (`fast_path=False`: every event decoded, as the differential tests compare)."""
     interpret: Interpret = dialect.events
+    plain = (PlainTokens(interpret, dialect.token_keys, dialect.reasoning_keys)
+             if fast_path and (dialect.token_keys or dialect.reasoning_keys) else None)
     media = content_type.partition(";")[0].strip().lower()
     parser: ResponseParser
     if media == "text/event-stream":
-        parser = SseParser(interpret, max_line)
+        parser = SseParser(interpret, max_line, plain)
     elif media in ("application/x-ndjson", "application/ndjson", "application/jsonl"):
-        parser = NdjsonParser(interpret, max_line)
+        parser = NdjsonParser(interpret, max_line, plain)
     elif media == "application/json" or media.endswith("+json"):
         identity = content_encoding.strip().lower() in ("", "identity")
         parser = JsonBodyParser(interpret, body_cap, budget, content_length if identity else None)

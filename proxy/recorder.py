@@ -31,6 +31,7 @@ class ParseLimits:
     max_line_bytes: int = 4 * 1024 * 1024
     body_cap_bytes: int = 32 * 1024 * 1024
     budget: ByteBudget = UNLIMITED  # shared by every exchange of a process
+    fast_path: bool = True  # plain token events counted without decoding (identical records)
 
 
 def read_request(dialect: Dialect, body: bytes | bytearray) -> RequestInfo:
@@ -132,7 +133,8 @@ class Recorder:
             self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
                                                 max_line=self._limits.max_line_bytes,
                                                 body_cap=self._limits.body_cap_bytes,
-                                                budget=self._limits.budget, content_length=content_length))
+                                                budget=self._limits.budget, content_length=content_length,
+                                                fast_path=self._limits.fast_path))
 
     def chunk(self, data: bytes, now: float) -> None:
         """A chunk of the response body, already on its way to the client."""

@@ -34,6 +34,11 @@ class SseDecoder:
     def overlong_lines(self) -> int:
         return self._lines.overlong + self._oversized
 
+    @property
+    def clean(self) -> bool:
+        """Between events, nothing held: the next byte starts a new event."""
+        return not self._data and self._event is None and not self._skipping and self._lines.clean
+
     def _add_data(self, value: bytes) -> None:
         if self._skipping:
             return

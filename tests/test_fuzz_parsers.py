@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects import dialect_named
-from proxy.events import Event, ParseError
+from proxy.events import Event, ParseError, TokenDelta
 from proxy.lines import LineSplitter
 from proxy.parsers import ResponseParser, parser_for
 from proxy.recorder import ParseLimits, Recorder
@@ -50,10 +50,15 @@ def make_parser(kind: str, max_line: int = 256, body_cap: int = 4096) -> Respons
     return parser_for(dialect_named(dialect), media, encoding, max_line=max_line, body_cap=body_cap)
 
 
-def seen(events: list[Event]) -> tuple[list[Event], bool]:
-    """What the diagnosis uses: the events in order, and whether any part could not be read (a
-    parser reports over-long lines once per chunk, so their count and place depend on chunking)."""
-    return [e for e in events if not isinstance(e, ParseError)], any(isinstance(e, ParseError) for e in events)
+def seen(events: list[Event]) -> tuple[list[Event], int, int, bool]:
+    """What the diagnosis uses: the events other than tokens in order, the visible and reasoning
+    token totals (the fast path counts a read's plain tokens into one TokenDelta), and whether any
+    part could not be read (a parser reports over-long lines once per chunk, so their count and
+    place depend on chunking)."""
+    tokens = [e for e in events if isinstance(e, TokenDelta)]
+    return ([e for e in events if not isinstance(e, (ParseError, TokenDelta))],
+            sum(t.count for t in tokens if not t.reasoning), sum(t.count for t in tokens if t.reasoning),
+            any(isinstance(e, ParseError) for e in events))
 
 
 def events_of(parser: ResponseParser, chunks: list[bytes]) -> list[Event]:

@@ -112,4 +112,5 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
         info.reasoning_budget = positive_budget(thinking.get("budget_tokens"))
 
 
-DIALECT = Dialect(name="anthropic", routes=ROUTES, read_request=read_request, events=events)
+DIALECT = Dialect(name="anthropic", routes=ROUTES, read_request=read_request, events=events,
+                  token_keys=(b'"text":"',), reasoning_keys=(b'"thinking":"',))

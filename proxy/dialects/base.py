@@ -23,9 +23,10 @@ class Dialect:
     - `events`: the events in one JSON object of its responses (a streamed event, an NDJSON
       line, or a whole non-streaming body); it may raise ValueError/TypeError on a shape it
       cannot read, which the parser turns into a ParseError;
-    - `plain_token`: the fast path. Given the raw bytes of one streamed event, the number of
-      tokens when it is nothing but plain generated text (no finish, usage, error, reasoning
-      or tool call), else None; None means "decode it" and is always safe.
+    - `token_keys`, `reasoning_keys`: the fast path (proxy/plain.py). The JSON keys, with their
+      value's opening quote (`b'"content":"'`), whose string is the text of a streamed event that
+      `events` reads as one visible (or reasoning) token; the shape of such an event is learned
+      per response and later events in that shape are counted without decoding.
     - `streams_by_default`: what `stream` means when the request leaves it out.
     """
 
@@ -33,13 +34,9 @@ class Dialect:
     routes: tuple[str, ...]
     read_request: Callable[[dict[str, Any], RequestInfo], None]
     events: Callable[[Any], list[Event]]
-    plain_token: Callable[[bytes], int | None] | None = None
+    token_keys: tuple[bytes, ...] = ()
+    reasoning_keys: tuple[bytes, ...] = ()
     streams_by_default: bool = False
-
-
-def no_fast_path(data: bytes) -> int | None:
-    del data
-    return None
 
 
 def as_int(value: Any) -> int | None:

@@ -48,4 +48,5 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     info.stop_requested = bool(obj.get("stop"))
 
 
-DIALECT = Dialect(name="llamacpp", routes=ROUTES, read_request=read_request, events=events)
+DIALECT = Dialect(name="llamacpp", routes=ROUTES, read_request=read_request, events=events,
+                  token_keys=(b'"content":"',))

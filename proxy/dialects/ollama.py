@@ -68,4 +68,6 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
         info.stop_requested = bool(options.get("stop"))
 
 
-DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events, streams_by_default=True)
+DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events,
+                  token_keys=(b'"content":"', b'"response":"'), reasoning_keys=(b'"thinking":"',),
+                  streams_by_default=True)

@@ -108,4 +108,6 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     info.n = as_int(obj.get("n"))
 
 
-DIALECT = Dialect(name="openai", routes=ROUTES, read_request=read_request, events=events)
+DIALECT = Dialect(name="openai", routes=ROUTES, read_request=read_request, events=events,
+                  token_keys=(b'"content":"', b'"text":"'),
+                  reasoning_keys=(b'"reasoning":"', b'"reasoning_content":"'))

@@ -85,4 +85,5 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_output_tokens",))
 
 
-DIALECT = Dialect(name="responses", routes=ROUTES, read_request=read_request, events=events)
+DIALECT = Dialect(name="responses", routes=ROUTES, read_request=read_request, events=events,
+                  token_keys=(b'"delta":"',), reasoning_keys=(b'"delta":"',))
