@@ -78,9 +78,10 @@ class LivenessCheckedConnector(aiohttp.TCPConnector):
             self._streamed.add(protocol)
 
     async def _get(self, key: Any, traces: Any) -> Any:  # aiohttp >= 3.11: (key, traces), async
-        resting = self._take_resting(key)
+        resting: list[tuple[Any, float]] = []
         try:
             while True:
+                self._take_resting(key, resting)
                 connection = await super()._get(key, traces)
                 if connection is None or not peer_closed(connection):
                     if connection is not None:
@@ -92,19 +93,20 @@ class LivenessCheckedConnector(aiohttp.TCPConnector):
             if resting:  # back at the head of the pool, in their order
                 self._conns[key].extendleft(reversed(resting))
 
-    def _take_resting(self, key: Any) -> list[tuple[Any, float]]:
-        """Take out of the pool, for one lookup, the streamed connections released under SETTLE_S
-        ago (the pool is in release order, oldest first)."""
+    def _take_resting(self, key: Any, resting: list[tuple[Any, float]]) -> None:
+        """Set aside, for one lookup, the streamed connections at the head of the pool that were
+        released under SETTLE_S ago. aiohttp takes the oldest first and the pool is in release
+        order, so this looks at the head only: one comparison while the pool's oldest has settled."""
         conns = self._conns.get(key)
         if not conns or not self._streamed:
-            return []
+            return
         now = time.monotonic()
-        resting = []
-        for entry in list(conns):
-            if entry[0] in self._streamed and now - entry[1] < SETTLE_S:
-                resting.append(entry)
-                conns.remove(entry)
-        return resting
+        while conns:
+            protocol, released = conns[0]
+            if now - released >= SETTLE_S or protocol not in self._streamed:
+                return
+            resting.append(conns.popleft())
+        del self._conns[key]  # aiohttp drops an empty key; the finally above restores it
 
 
 def streamed(session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
