@@ -35,6 +35,47 @@ END_WAIT_S = 2.0
 RUNNER_SHUTDOWN_S = 1.0  # what aiohttp gives its own handlers at cleanup (60 s by default)
 
 
+async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
+    """Refuse new requests, let open exchanges finish until `deadline`, then end the rest visibly
+    and give their handlers END_WAIT_S to write the end and the record."""
+    forwarder.refuse_new()
+    if forwarder.active:
+        _log.info("draining", open_exchanges=len(forwarder.active), grace_s=grace_s)
+    while forwarder.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if forwarder.active:
+        _log.warning("ending_open_exchanges", open_exchanges=len(forwarder.active),
+                     note="the shutdown grace ran out: each ends with a proxy_shutdown event and record")
+        forwarder.end_active()
+        wait_until = time.monotonic() + END_WAIT_S
+        while forwarder.active and time.monotonic() < wait_until:
+            await asyncio.sleep(0.02)
+
+
+def proxy_application(config: ProxyConfig, session: aiohttp.ClientSession, observers: ObserverChain,
+                      concurrency: InFlightTracker, budget: ByteBudget) -> tuple[Forwarder, web.Application]:
+    """The forwarding path and the application that routes every request to it."""
+    forwarder = Forwarder(config, session, observers, concurrency, budget)
+    app = web.Application(client_max_size=config.request_body_cap_bytes)
+    app.router.add_route("*", "/{tail:.*}", forwarder.handle)
+    return forwarder, app
+
+
+def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
+                    extra_observers: tuple[object, ...] = (), log_records: bool | None = None) -> ObserverChain:
+    """The observers of finished records, in order: the telemetry enricher first (what it adds
+    is exported below), then metrics, the JSON log line and the record store."""
+    chain = ObserverChain()
+    chain.add(telemetry.observer)
+    for observer in extra_observers:
+        chain.add(observer)
+    chain.add(MetricsObserver(metrics))
+    if config.log_records if log_records is None else log_records:
+        chain.add(LogObserver(config.upstream))
+    chain.add(store)
+    return chain
+
+
 @dataclass
 class RunningProxy:
     """A started proxy: its two listeners, its record store and metrics."""
@@ -61,20 +102,7 @@ class RunningProxy:
         if self._proxy_site is not None:
             await self._proxy_site.stop()  # the listening socket closes: new connections are refused
             self._proxy_site = None
-        forwarder = self.forwarder
-        forwarder.refuse_new()
-        if forwarder.active:
-            _log.info("draining", open_exchanges=len(forwarder.active), grace_s=grace_s)
-        deadline = started + grace_s
-        while forwarder.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if forwarder.active:
-            _log.warning("ending_open_exchanges", open_exchanges=len(forwarder.active),
-                         note="the shutdown grace ran out: each ends with a proxy_shutdown event and record")
-            forwarder.end_active()
-            wait_until = time.monotonic() + END_WAIT_S
-            while forwarder.active and time.monotonic() < wait_until:
-                await asyncio.sleep(0.02)
+        await drain(self.forwarder, started + grace_s, grace_s)
         await self.close()
         return time.monotonic() - started
 
@@ -98,22 +126,14 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
     telemetry = Telemetry(config, metrics)
-    chain = ObserverChain()
-    chain.add(telemetry.observer)  # enrichers first: what they add is exported below
-    for observer in extra_observers:
-        chain.add(observer)
-    chain.add(MetricsObserver(metrics))
-    if config.log_records if log_records is None else log_records:
-        chain.add(LogObserver(config.upstream))
-    chain.add(store)
+    chain = exporting_chain(config, metrics, telemetry, store, extra_observers=extra_observers,
+                            log_records=log_records)
     session = upstream_session(config)
     concurrency = InFlightTracker()
     budget = ByteBudget(config.parse_budget_bytes)
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    forwarder = Forwarder(config, session, chain, concurrency, budget)
-    proxy_app = web.Application(client_max_size=config.request_body_cap_bytes)
-    proxy_app.router.add_route("*", "/{tail:.*}", forwarder.handle)
+    forwarder, proxy_app = proxy_application(config, session, chain, concurrency, budget)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
@@ -138,6 +158,10 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
 def serve_forever(config: ProxyConfig) -> int:
     """Run the proxy until SIGINT/SIGTERM; returns the exit code."""
     configure_logging(config.log_level, config.log_format)
+    if config.workers > 1:
+        from proxy.workers import serve_workers
+
+        return serve_workers(config)
     try:
         import uvloop
 

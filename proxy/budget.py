@@ -7,26 +7,57 @@ all exchanges. A body that would go past it is still forwarded, unread, and its 
 
 from __future__ import annotations
 
+import contextlib
+from array import array
+from typing import Any
+
+_USED, _REFUSED = 0, 1
+
 
 class ByteBudget:
-    """`reserve(n)` takes n bytes if they fit (True) or takes nothing (False); `release(n)` gives back."""
+    """`reserve(n)` takes n bytes if they fit (True) or takes nothing (False); `release(n)` gives back.
 
-    __slots__ = ("capacity", "refused", "used")
+    With `shared` (a RawArray of two 64-bit integers and a lock, from `shared_budget`), worker
+    processes draw on one budget: the bound is the proxy's, not each worker's.
+    """
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("_lock", "_values", "capacity")
+
+    def __init__(self, capacity: int, shared: tuple[Any, Any] | None = None) -> None:
         self.capacity = capacity
-        self.used = 0
-        self.refused = 0  # reservations refused since start
+        if shared is None:
+            self._values: Any = array("q", [0, 0])
+            self._lock: Any = contextlib.nullcontext()
+        else:
+            self._values, self._lock = shared
+
+    @property
+    def used(self) -> int:
+        return int(self._values[_USED])
+
+    @property
+    def refused(self) -> int:
+        """Reservations refused since start."""
+        return int(self._values[_REFUSED])
 
     def reserve(self, size: int) -> bool:
-        if self.used + size > self.capacity:
-            self.refused += 1
-            return False
-        self.used += size
-        return True
+        values = self._values
+        with self._lock:
+            if values[_USED] + size > self.capacity:
+                values[_REFUSED] += 1
+                return False
+            values[_USED] += size
+            return True
 
     def release(self, size: int) -> None:
-        self.used = max(0, self.used - size)
+        values = self._values
+        with self._lock:
+            values[_USED] = max(0, values[_USED] - size)
+
+
+def shared_budget(context: Any) -> tuple[Any, Any]:
+    """The shared state of a ByteBudget for worker processes: (RawArray of used/refused, Lock)."""
+    return context.RawArray("q", 2), context.Lock()
 
 
 UNLIMITED = ByteBudget(1 << 62)

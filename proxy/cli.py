@@ -108,6 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
                         metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
                                               "response bodies; beyond it bodies pass unread (default 256 MiB)")
+    parser.add_argument("--workers", type=flag_type(parse_positive_int), default=1, metavar="N",
+                        help="processes serving the proxy port (SO_REUSEPORT), when one core is not enough; "
+                             "counts, metrics and records stay proxy-wide (default %(default)s)")
     parser.add_argument("--no-log-records", dest="log_records", action="store_false",
                         help="do not write the one JSON line per response to stdout")
     add_logging_arguments(parser)
@@ -143,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             header_timeout_s=args.header_timeout,
             shutdown_grace_s=args.shutdown_grace,
             parse_budget_bytes=args.parse_budget,
+            workers=getattr(args, "workers", 1),
             log_level=args.log_level,
             log_format=args.log_format,
         )

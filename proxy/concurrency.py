@@ -1,52 +1,96 @@
 """In-flight tracking: how many generations ran beside each one, at its start, peak and on average.
 
 The time-weighted mean uses one running integral of the in-flight count over time, so each
-admission and release costs O(1) for the mean; peaks are pushed to the requests in flight.
+admission and release costs O(1) for the mean. The peak of a request is the highest count any
+admission during its life reached: every admission writes its count into a ring, and a release
+takes the maximum of the ring's entries since its own admission (one C-level `max` over a slice).
+
+The state lives either in this process or, with `--workers N`, in shared memory that every
+worker process updates under one lock, so the counts are those of the whole proxy, not of one
+worker (`SharedCounts`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import time
+from array import array
 from collections.abc import Callable
+from typing import Any
+
+RING = 1 << 16  # admissions remembered for the peak; a request that outlives more sees the last RING
+_IN_FLIGHT, _INTEGRAL, _LAST_CHANGE, _ADMISSIONS = range(4)
 
 
 class Slot:
     """One admitted request's view of the concurrency around it."""
 
-    __slots__ = ("at_start", "integral_start", "peak", "started")
+    __slots__ = ("admission", "at_start", "integral_start", "peak", "started")
 
-    def __init__(self, at_start: int, started: float, integral_start: float) -> None:
+    def __init__(self, at_start: int, started: float, integral_start: float, admission: int) -> None:
         self.at_start = at_start
         self.peak = at_start
         self.started = started
         self.integral_start = integral_start
+        self.admission = admission  # its number among all admissions
+
+
+class LocalCounts:
+    """The counts of one process: plain memory, no lock."""
+
+    def __init__(self) -> None:
+        self.values: Any = array("d", [0.0, 0.0, time.monotonic(), 0.0])
+        self.ring: Any = array("i", bytes(4 * RING))
+        self.lock: Any = contextlib.nullcontext()
+
+
+class SharedCounts:
+    """The same counts in shared memory, for worker processes (pickled to them when they start)."""
+
+    def __init__(self, context: Any = None) -> None:
+        context = context or multiprocessing.get_context("spawn")
+        self.values: Any = context.RawArray("d", [0.0, 0.0, time.monotonic(), 0.0])
+        self.ring: Any = context.RawArray("i", RING)
+        self.lock: Any = context.Lock()
 
 
 class InFlightTracker:
-    """Counts requests in flight (the admitted one included) and their time-weighted mean."""
+    """Counts requests in flight (the admitted one included), their peak and time-weighted mean."""
 
-    __slots__ = ("_active", "_clock", "_integral", "_last_change", "in_flight")
+    __slots__ = ("_active", "_clock", "_counts", "_ring", "_values")
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, counts: LocalCounts | SharedCounts | None = None,
+                 ) -> None:
         self._clock = clock
-        self._active: set[Slot] = set()
-        self.in_flight = 0
-        self._integral = 0.0  # the integral of in_flight over time, up to _last_change
-        self._last_change = clock()
+        self._counts = counts if counts is not None else LocalCounts()
+        self._values = self._counts.values
+        self._ring = memoryview(self._counts.ring).cast("B").cast("i")
+        if clock is not time.monotonic:  # a test's clock: start the integral at its zero
+            self._values[_LAST_CHANGE] = clock()
+        self._active: set[Slot] = set()  # this process's slots
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._values[_IN_FLIGHT])
 
     def _advance(self, now: float) -> None:
-        self._integral += self.in_flight * (now - self._last_change)
-        self._last_change = now
+        values = self._values
+        values[_INTEGRAL] += values[_IN_FLIGHT] * (now - values[_LAST_CHANGE])
+        values[_LAST_CHANGE] = now
 
     def admit(self) -> Slot:
-        now = self._clock()
-        self._advance(now)
-        self.in_flight += 1
-        count = self.in_flight
-        for other in self._active:
-            if count > other.peak:
-                other.peak = count
-        slot = Slot(count, now, self._integral)
+        values = self._values
+        with self._counts.lock:
+            now = self._clock()
+            self._advance(now)
+            values[_IN_FLIGHT] += 1
+            count = int(values[_IN_FLIGHT])
+            admission = int(values[_ADMISSIONS]) + 1
+            values[_ADMISSIONS] = admission
+            self._ring[admission % RING] = count
+            integral = values[_INTEGRAL]
+        slot = Slot(count, now, integral, admission)
         self._active.add(slot)
         return slot
 
@@ -54,13 +98,29 @@ class InFlightTracker:
         """End a request's life; returns its (peak, time-weighted mean) concurrency."""
         if slot not in self._active:
             return slot.peak, float(slot.at_start)
-        now = self._clock()
-        self._advance(now)
+        values = self._values
+        with self._counts.lock:
+            now = self._clock()
+            self._advance(now)
+            values[_IN_FLIGHT] -= 1
+            integral = values[_INTEGRAL]
+            last = int(values[_ADMISSIONS])
+            slot.peak = max(slot.at_start, self._highest_since(slot.admission, last))
         self._active.discard(slot)
-        self.in_flight -= 1
         elapsed = now - slot.started
-        mean = (self._integral - slot.integral_start) / elapsed if elapsed > 0 else float(slot.at_start)
+        mean = (integral - slot.integral_start) / elapsed if elapsed > 0 else float(slot.at_start)
         return slot.peak, mean
+
+    def _highest_since(self, admission: int, last: int) -> int:
+        """The highest count written by the admissions after `admission`, up to `last`."""
+        if last <= admission:
+            return 0
+        first = max(admission + 1, last - RING + 1)
+        start, end = first % RING, last % RING
+        ring = self._ring
+        if start <= end:
+            return max(ring[start:end + 1])
+        return max(max(ring[start:]), max(ring[:end + 1]))
 
 
 CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")

@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 DEFAULT_UPSTREAM = "http://127.0.0.1:11434"  # Ollama's default
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9464"
+MAX_WORKERS = 64
 
 
 class ConfigError(ValueError):
@@ -163,11 +164,14 @@ class ProxyConfig:
     header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)
     shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
     parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
+    workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/workers.py
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"invalid --workers {self.workers}: expected 1 to {MAX_WORKERS}")
         clean, authorization = split_credentials(self.upstream)
         if authorization is not None:
             object.__setattr__(self, "upstream", clean)

@@ -106,13 +106,16 @@ class GuardedRunner(web.AppRunner):
 
 
 async def listen(app: web.Application, where: HostPort, *, backlog: int, header_timeout_s: float,
-                 on_refused: RefusalHook | None = None,
+                 on_refused: RefusalHook | None = None, reuse_port: bool = False,
                  **runner_options: Any) -> tuple[GuardedRunner, web.TCPSite, str]:
-    """Start `app` on `where` (port 0: a free one); returns the runner, the site and the URL."""
+    """Start `app` on `where` (port 0: a free one); returns the runner, the site and the URL.
+    `reuse_port`: SO_REUSEPORT, so that worker processes share the port (the kernel spreads
+    connections over them)."""
     runner = GuardedRunner(app, access_log=None, logger=SERVER_LOG, keepalive_timeout=header_timeout_s,
                            on_refused=on_refused, **runner_options)
     await runner.setup()
-    site = web.TCPSite(runner, where.host, where.port, reuse_address=True, backlog=backlog)
+    site = web.TCPSite(runner, where.host, where.port, reuse_address=True, reuse_port=reuse_port or None,
+                       backlog=backlog)
     try:
         await site.start()
     except OSError:

@@ -99,6 +99,12 @@ class ProxyMetrics:
             "llm_proxy_invalid_requests", "Requests refused with a 400 before any handler ran, because they "
             "are not valid HTTP (a header line over 8190 bytes, a control byte in a value), by reason.",
             ["reason"], registry=r)
+        self.workers = Gauge(
+            "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
+        self.workers.set(1)
+        self.records_lost = Counter(
+            "llm_proxy_records_lost", "Records a worker process could not hand to the process that exports "
+            "them (its channel was full or broken); their exchanges were relayed all the same.", registry=r)
         self.parse_budget_used = Gauge(
             "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
             "process-wide (--parse-budget bounds it).", registry=r)

@@ -195,6 +195,12 @@ class ResponseRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
+RECORD_FIELDS = frozenset(_RECORD_FIELDS)
+
+
+def record_from_dict(data: dict[str, Any]) -> ResponseRecord:
+    """A record back from `to_dict()` (a worker's, the admin API's JSON); derived keys are left out."""
+    return ResponseRecord(**{k: v for k, v in data.items() if k in RECORD_FIELDS})
 _OUTCOME_OF: dict[str, str] = {
     **dict.fromkeys(("eos", "stop_sequence", "tool_calls"), "complete"), "requested_budget": "budget",
     **dict.fromkeys(CUT_CAUSES, "cut"), "client_disconnect": "client_gone", "http_4xx": "client_error",

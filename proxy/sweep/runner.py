@@ -20,7 +20,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from proxy.record import ResponseRecord
+from proxy.record import record_from_dict
 from proxy.recorder import Recorder
 from proxy.sweep.sample import ClientMeasure, Sample
 from proxy.sweep.server_info import ServerInfo, read_server_info
@@ -32,7 +32,6 @@ PATHS: dict[str, str] = {"openai": "/v1/chat/completions", "ollama": "/api/chat"
 PROBE_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
 JOIN_RETRY_S = 0.05
-RECORD_FIELDS = frozenset(f.name for f in fields(ResponseRecord))
 REQUEST_ID = "X-Request-Id"
 
 
@@ -188,8 +187,7 @@ async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples:
                             data = await response.json(loads=orjson.loads)
                             if not isinstance(data, dict):
                                 raise TypeError("the record is not a JSON object")
-                            sample.record = ResponseRecord(
-                                **{k: v for k, v in data.items() if k in RECORD_FIELDS})
+                            sample.record = record_from_dict(data)
                             sample.record_source = "proxy"
                             return
                         note = f"admin API answered HTTP {response.status}"
