@@ -1,14 +1,24 @@
-"""What the proxy costs: token throughput and time to first token, direct vs through the proxy.
+"""What the proxy costs, side by side with a direct connection and with nginx, in one run.
 
-One run starts a fast upstream (its own process, streaming 1,000-token SSE responses), the
-proxy (its own process, `python -m proxy serve`), and a load generator here, at 1, 8 and 64
-concurrent streams, first direct, then through the proxy. It prints tokens/s both ways, their
-ratio, the TTFT the proxy adds (p50, p99) and the proxy's CPU time per relayed chunk; then the
-TTFT of single requests to the idle server, direct and proxied in turn.
+One run starts a fast upstream (its own process, streaming OpenAI chat-completion SSE), nginx
+from Debian (`proxy_buffering off`, keep-alive HTTP/1.1 upstream), the proxy
+(`python -m proxy serve`, optionally `--workers N`), and a load generator here. Where the
+machine has two cores or more, the generator and the upstream share one core and each relay
+(nginx, the proxy) gets the others to itself, so a relay that runs out of CPU shows as lost
+throughput, not as a slower generator.
 
-    python benchmarks/overhead.py                      # paced like a real server (5 ms/token)
-    python benchmarks/overhead.py --token-interval 0   # unpaced: as fast as the upstream can write
-    python benchmarks/overhead.py --baseline           # aiohttp alone: the floor of the stack
+The hard case first: **unpaced**, tokens as fast as the upstream can write them, several events
+per socket write, closed loop at each level of concurrent streams. It prints, per level:
+tokens/s direct, through nginx and through the proxy; the CPU each relay spent per relayed
+event (user + system time of all its processes over the events it carried); and the TTFT each
+relay adds (p50, p99). Then **paced** (like a real server, `--token-interval`): the added TTFT
+at the same levels. Then the idle TTFT of single requests, each target in turn.
+
+    python benchmarks/overhead.py                       # the whole table
+    python benchmarks/overhead.py --workers 2           # the proxy with two worker processes
+    python benchmarks/overhead.py --targets direct,proxy,bare   # bare aiohttp: the stack's floor
+
+Never run as a timed test: the figures depend on the machine, and the README quotes one run.
 """
 
 from __future__ import annotations
@@ -16,11 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +41,7 @@ import orjson
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("direct", "nginx", "proxy", "bare")
 
 
 def free_port() -> int:
@@ -37,32 +51,53 @@ def free_port() -> int:
 
 
 # --- the upstream (runs in its own process) ------------------------------------------------
-def token_chunk(i: int) -> bytes:
-    return b"data: " + orjson.dumps({
-        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1733000000, "model": "bench",
-        "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "logprobs": None, "finish_reason": None}],
-    }) + b"\n\n"
+def sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def run_upstream(port: int, tokens: int, interval: float) -> None:
-    chunks = [token_chunk(i) for i in range(tokens)]
-    final = b"data: " + orjson.dumps({
-        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1733000000, "model": "bench",
-        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}],
-    }) + b"\n\n" + b"data: [DONE]\n\n"
+def chunk_of(delta: dict[str, str], finish: str | None = None) -> dict[str, object]:
+    return {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1733000000, "model": "bench",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def stream_events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
+    """What vLLM sends with include_usage: a role chunk, one chunk per token, the finish chunk,
+    the usage chunk and [DONE]: every stream holds events the fast path must hand to the parser."""
+    role = sse(chunk_of({"role": "assistant", "content": ""}))
+    body = [sse(chunk_of({"content": f"tok{i} "})) for i in range(tokens)]
+    final = (sse(chunk_of({}, "length"))
+             + sse({"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1733000000,
+                    "model": "bench", "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": tokens + 5}})
+             + b"data: [DONE]\n\n")
+    return role, body, final
+
+
+EXTRA_EVENTS = 4  # role, finish, usage, [DONE]
+
+
+def run_upstream(port: int, tokens: int) -> None:
+    role, body, final = stream_events(tokens)
 
     async def stream(request: web.Request) -> web.StreamResponse:
         asked = orjson.loads(await request.read()).get("max_tokens") or tokens
+        interval = float(request.headers.get("X-Bench-Interval", "0"))
+        batch = max(1, int(request.headers.get("X-Bench-Batch", "1")))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for i, chunk in enumerate(chunks[:asked]):
-            if interval:
+        await response.write(role)
+        events = body[:asked]
+        if interval:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for i, event in enumerate(events):
                 delay = start + i * interval - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            await response.write(chunk)
+                await response.write(event)
+        else:
+            for i in range(0, len(events), batch):
+                await response.write(b"".join(events[i:i + batch]))
         await response.write(final)
         await response.write_eof()
         return response
@@ -72,59 +107,153 @@ def run_upstream(port: int, tokens: int, interval: float) -> None:
     import uvloop
 
     uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
+
+
+# --- nginx -----------------------------------------------------------------------------------
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream llm {{ server 127.0.0.1:{upstream}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=1024;
+        location / {{
+            proxy_pass http://llm;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 300s;
+        }}
+    }}
+}}
+"""
 
 
 # --- the load generator ----------------------------------------------------------------------
-async def one_stream(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[float, int]:
+async def one_stream(session: aiohttp.ClientSession, url: str, max_tokens: int,
+                     headers: dict[str, str]) -> tuple[float, int]:
     started = time.perf_counter()
     ttft = -1.0
     tokens = 0
-    body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "x"}]}
-    async with session.post(url, json=body) as response:
+    body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True}}
+    async with session.post(url, json=body, headers=headers) as response:
         async for chunk in response.content.iter_any():
-            if ttft < 0:
+            found = chunk.count(b'"content":"tok')
+            if found and ttft < 0:
                 ttft = time.perf_counter() - started
-            tokens += chunk.count(b'"content":"tok')
+            tokens += found
     return ttft, tokens
 
 
-async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> tuple[float, list[float]]:
-    """Closed loop: `concurrency` streams at once, `rounds` times; returns (tokens/s, TTFTs)."""
+async def level(url: str, concurrency: int, rounds: int, max_tokens: int,
+                headers: dict[str, str]) -> tuple[float, list[float], int]:
+    """Closed loop: `concurrency` streams at once, `rounds` times; (tokens/s, TTFTs, streams)."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await one_stream(session, url, max_tokens)  # warm the connections
+        await asyncio.gather(*(one_stream(session, url, 1, headers) for _ in range(concurrency)))  # warm
         ttfts: list[float] = []
         total = 0
         started = time.perf_counter()
         for _ in range(rounds):
-            results = await asyncio.gather(*(one_stream(session, url, max_tokens) for _ in range(concurrency)))
+            results = await asyncio.gather(*(one_stream(session, url, max_tokens, headers)
+                                             for _ in range(concurrency)))
             for ttft, tokens in results:
                 ttfts.append(ttft)
                 total += tokens
         elapsed = time.perf_counter() - started
-    return total / elapsed, ttfts
+    return total / elapsed, ttfts, concurrency * (rounds + 1)
 
 
-async def idle_ttft(direct_url: str, proxied_url: str, samples: int) -> tuple[list[float], list[float]]:
-    """TTFT of single requests to an otherwise idle server, direct and proxied in turn (so that
-    a drift of the machine's speed hits both alike), each on a warm pooled connection."""
-    direct: list[float] = []
-    proxied: list[float] = []
+async def staggered(url: str, concurrency: int, per_slot: int, max_tokens: int, interval: float) -> list[float]:
+    """A steady load of `concurrency` paced streams whose starts are spread over one stream's
+    length (as on a busy server, not a burst); each slot sends `per_slot` in a row. The TTFTs."""
+    headers = {"X-Bench-Interval": str(interval)}
+    length = max_tokens * interval
+    ttfts: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for url in (direct_url, proxied_url):
-            await one_stream(session, url, 1)
+        await asyncio.gather(*(one_stream(session, url, 1, {}) for _ in range(concurrency)))  # warm the pools
+
+        async def slot(index: int) -> None:
+            await asyncio.sleep(index * length / concurrency)
+            for _ in range(per_slot):
+                ttft, _ = await one_stream(session, url, max_tokens, headers)
+                ttfts.append(ttft)
+
+        await asyncio.gather(*(slot(i) for i in range(concurrency)))
+    return ttfts
+
+
+async def short_requests(url: str, total: int, in_flight: int) -> None:
+    """`total` short streams, `in_flight` at a time: what each request costs a relay, apart from its tokens."""
+    left = iter(range(total))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def slot() -> None:
+            for _ in left:
+                await one_stream(session, url, 4, {})
+
+        await asyncio.gather(*(slot() for _ in range(in_flight)))
+
+
+async def idle_ttft(urls: dict[str, str], samples: int) -> dict[str, list[float]]:
+    """TTFT of single requests to an otherwise idle server, each target in turn (so that a drift
+    of the machine's speed hits all alike), each on a warm pooled connection."""
+    out: dict[str, list[float]] = {name: [] for name in urls}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url in urls.values():
+            await one_stream(session, url, 1, {})
+        names = list(urls)
         for i in range(samples):
-            order = ((direct_url, direct), (proxied_url, proxied))
-            for url, out in order if i % 2 else order[::-1]:
-                ttft, _ = await one_stream(session, url, 1)
-                out.append(ttft)
-    return direct, proxied
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                ttft, _ = await one_stream(session, urls[name], 1, {})
+                out[name].append(ttft)
+    return out
+
+
+# --- processes and their CPU -----------------------------------------------------------------
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (a proxy's workers, nginx's worker)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        queue.extend(children.get(current, []))
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of a process tree, from the scheduler's nanosecond clock of every thread
+    (/proc/PID/task/TID/schedstat), not the 10 ms ticks of /proc/PID/stat."""
+    total = 0
+    for each in descendants(pid):
+        try:
+            tasks = list(Path(f"/proc/{each}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,14 +261,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def added_ms(direct: list[float], proxied: list[float]) -> tuple[float, float]:
-    """The TTFT the proxy adds, p50 and p99, in milliseconds."""
-    return ((statistics.median(proxied) - statistics.median(direct)) * 1000,
-            (percentile(proxied, 0.99) - percentile(direct, 0.99)) * 1000)
+def added_ms(direct: list[float], relayed: list[float]) -> tuple[float, float]:
+    """The TTFT a relay adds, p50 and p99, in milliseconds."""
+    return ((statistics.median(relayed) - statistics.median(direct)) * 1000,
+            (percentile(relayed, 0.99) - percentile(direct, 0.99)) * 1000)
 
 
 def wait_for(port: int) -> None:
-    for _ in range(200):
+    for _ in range(400):
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -147,68 +276,161 @@ def wait_for(port: int) -> None:
     raise SystemExit(f"nothing listening on port {port}")
 
 
+@dataclass
+class Setup:
+    """The processes of one run and where each is pinned."""
+
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    pinning: str = "none (fewer than 2 CPUs)"
+
+
+def pin_plan(workers: int) -> tuple[set[int] | None, set[int] | None, str]:
+    """(generator+upstream cores, relay cores, description), or Nones when there is one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None, "none (one CPU)"
+    load, relay = {cores[0]}, set(cores[1:1 + workers]) if len(cores) > workers else set(cores[1:])
+    return load, relay, f"generator+upstream on CPU {cores[0]}, each relay on CPU {','.join(map(str, sorted(relay)))}"
+
+
+def start(args: argparse.Namespace, tmp: Path) -> Setup:
+    setup = Setup()
+    load_cores, relay_cores, setup.pinning = pin_plan(args.workers)
+    if load_cores is not None:
+        os.sched_setaffinity(0, load_cores)  # the generator; the upstream inherits it
+
+    def relay_pinned() -> None:
+        if relay_cores is not None:
+            os.sched_setaffinity(0, relay_cores)
+
+    up_port = free_port()
+    setup.processes["upstream"] = subprocess.Popen(
+        [sys.executable, __file__, "--role", "upstream", "--port", str(up_port), "--tokens", str(args.tokens)])
+    wait_for(up_port)
+    setup.urls["direct"] = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    if "nginx" in args.targets:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        if not Path(nginx).exists():
+            raise SystemExit("nginx is not installed (apt-get install -y nginx): drop it from --targets")
+        port = free_port()
+        conf = tmp / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=tmp, upstream=up_port, port=port))
+        setup.processes["nginx"] = subprocess.Popen([nginx, "-c", str(conf), "-p", str(tmp)],
+                                                    preexec_fn=relay_pinned, stderr=subprocess.DEVNULL)
+        wait_for(port)
+        setup.urls["nginx"] = f"http://127.0.0.1:{port}/v1/chat/completions"
+    common = ["--upstream", f"http://127.0.0.1:{up_port}", "--gpu-poll-interval", "0", "--upstream-metrics", "off",
+              "--log-format", "json"]
+    workers = ["--workers", str(args.workers)] if args.workers != 1 else []
+    for name, command in (("proxy", ["-m", "proxy", "serve", *workers]),
+                          ("bare", ["benchmarks/bare_passthrough.py"])):
+        if name not in args.targets:
+            continue
+        port, admin = free_port(), free_port()
+        setup.processes[name] = subprocess.Popen(
+            [sys.executable, *command, *common, "--listen", f"127.0.0.1:{port}",
+             "--admin-listen", f"127.0.0.1:{admin}"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, preexec_fn=relay_pinned)
+        wait_for(port)
+        setup.urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
+    return setup
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,8,64")
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=2, help="closed-loop rounds per level")
+    parser.add_argument("--tokens", type=int, default=1000, help="tokens per unpaced stream")
+    parser.add_argument("--batch", type=int, default=8, help="events per upstream socket write, unpaced")
+    parser.add_argument("--rounds", type=int, default=3, help="closed-loop rounds per level")
+    parser.add_argument("--token-interval", type=float, default=0.02, help="seconds between tokens, paced")
+    parser.add_argument("--paced-tokens", type=int, default=50, help="tokens per paced stream")
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="short requests (4 tokens) at 16 in flight, for each relay's CPU per request (0 = skip)")
     parser.add_argument("--ttft-samples", type=int, default=200,
-                        help="single requests, direct and proxied in turn, for the idle TTFT (0 = skip)")
-    parser.add_argument("--token-interval", type=float, default=0.005, help="seconds between tokens, 0 = unpaced")
-    parser.add_argument("--baseline", action="store_true",
-                        help="measure benchmarks/bare_passthrough.py (aiohttp alone) in place of the proxy")
+                        help="single requests per target, in turn, for the idle TTFT (0 = skip)")
+    parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
+    parser.add_argument("--targets", default="direct,nginx,proxy",
+                        help=f"comma-separated, of {', '.join(TARGETS)} (direct is always measured)")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "upstream":
-        run_upstream(args.port, args.tokens, args.token_interval)
+        run_upstream(args.port, args.tokens)
         return 0
-    up_port, proxy_port, admin_port = free_port(), free_port(), free_port()
-    upstream = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--port", str(up_port),
-                                 "--tokens", str(args.tokens), "--token-interval", str(args.token_interval)])
-    proxy = subprocess.Popen(
-        [sys.executable, *(["benchmarks/bare_passthrough.py"] if args.baseline else ["-m", "proxy", "serve"]),
-         "--upstream", f"http://127.0.0.1:{up_port}",
-         "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
-         "--gpu-poll-interval", "0", "--upstream-metrics", "off", "--log-format", "json"],
-        cwd=ROOT, stdout=subprocess.DEVNULL)
-    try:
-        wait_for(up_port)
-        wait_for(proxy_port)
+    args.targets = ["direct", *(t for t in args.targets.split(",") if t in TARGETS and t != "direct")]
+    relays = args.targets[1:]
+    with tempfile.TemporaryDirectory(prefix="llm-diag-bench-") as tmp:
+        setup = start(args, Path(tmp))
         try:
-            import uvloop
+            return report(args, setup, relays)
+        finally:
+            for process in setup.processes.values():
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
 
-            uvloop.install()
-        except ImportError:
-            pass
-        direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        proxied_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-        mode = f"paced at {args.token_interval * 1000:g} ms/token" if args.token_interval else "unpaced"
-        subject = "bare aiohttp pass-through (baseline)" if args.baseline else "llm-diag-proxy"
-        print(f"# {subject} overhead: {args.tokens}-token SSE streams, {mode}, {args.rounds} rounds per level, "
-              f"{os.cpu_count()} CPUs")
-        print(f"{'streams':>7} {'direct tok/s':>13} {'proxied tok/s':>14} {'ratio':>6} "
-              f"{'+TTFT p50 ms':>13} {'+TTFT p99 ms':>13} {'proxy CPU us/chunk':>19}")
-        for concurrency in (int(x) for x in args.levels.split(",")):
-            direct_rate, direct_ttft = asyncio.run(level(direct_url, concurrency, args.rounds, args.tokens))
-            cpu_before = cpu_seconds(proxy.pid)
-            proxied_rate, proxied_ttft = asyncio.run(level(proxied_url, concurrency, args.rounds, args.tokens))
-            cpu_used = cpu_seconds(proxy.pid) - cpu_before
-            chunks = (args.rounds * concurrency + 1) * (args.tokens + 1)
-            added_p50, added_p99 = added_ms(direct_ttft, proxied_ttft)
-            print(f"{concurrency:>7} {direct_rate:>13,.0f} {proxied_rate:>14,.0f} {proxied_rate / direct_rate:>6.3f} "
-                  f"{added_p50:>13.2f} {added_p99:>13.2f} {cpu_used / chunks * 1e6:>19.1f}", flush=True)
-        if args.ttft_samples:
-            direct_ttft, proxied_ttft = asyncio.run(idle_ttft(direct_url, proxied_url, args.ttft_samples))
-            added_p50, added_p99 = added_ms(direct_ttft, proxied_ttft)
-            print(f"# idle TTFT, {args.ttft_samples} single requests each way, in turn: direct p50 "
-                  f"{statistics.median(direct_ttft) * 1000:.2f} ms, proxied p50 "
-                  f"{statistics.median(proxied_ttft) * 1000:.2f} ms, added p50 {added_p50:.2f} ms, "
-                  f"added p99 {added_p99:.2f} ms")
-    finally:
-        for process in (proxy, upstream):
-            process.terminate()
-            process.wait(timeout=10)
+
+def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    levels = [int(x) for x in args.levels.split(",")]
+    print(f"# {time.strftime('%Y-%m-%d')}: relay overhead, OpenAI chat-completion SSE; proxy --workers "
+          f"{args.workers}; {os.cpu_count()} CPUs; pinning: {setup.pinning}")
+    print(f"# unpaced: {args.tokens}-token streams, {args.batch} events per upstream write, {args.rounds} "
+          f"closed-loop rounds per level; events per stream = tokens + {EXTRA_EVENTS} (role, finish, usage, DONE)")
+    head = f"{'streams':>7} {'direct tok/s':>12}"
+    for name in relays:
+        head += f" {name + ' tok/s':>12} {'ratio':>6} {name + ' us/event':>15} {'+TTFT p50/p99 ms':>17}"
+    print(head)
+    unpaced = {"X-Bench-Batch": str(args.batch)}
+    for concurrency in levels:
+        rate, direct_ttft, _ = asyncio.run(level(setup.urls["direct"], concurrency, args.rounds, args.tokens, unpaced))
+        line = f"{concurrency:>7} {rate:>12,.0f}"
+        for name in relays:
+            before = cpu_seconds(setup.processes[name].pid)
+            relayed, ttfts, streams = asyncio.run(level(setup.urls[name], concurrency, args.rounds, args.tokens,
+                                                        unpaced))
+            used = cpu_seconds(setup.processes[name].pid) - before
+            events = streams * EXTRA_EVENTS + concurrency * args.rounds * args.tokens + concurrency
+            p50, p99 = added_ms(direct_ttft, ttfts)
+            line += (f" {relayed:>12,.0f} {relayed / rate:>6.3f} {used / events * 1e6:>15.2f}"
+                     f" {f'{p50:.2f}/{p99:.2f}':>17}")
+        print(line, flush=True)
+    print(f"# paced: {args.paced_tokens}-token streams, one event every {args.token_interval * 1000:g} ms, starts "
+          "spread over a stream's length, 4 streams per slot: the TTFT each relay adds under a steady load")
+    print(f"{'streams':>7} {'direct TTFT p50/p99 ms':>23}"
+          + "".join(f" {name + ' +p50/p99 ms':>20}" for name in relays))
+    for concurrency in levels:
+        direct_ttft = asyncio.run(staggered(setup.urls["direct"], concurrency, 4, args.paced_tokens,
+                                            args.token_interval))
+        line = (f"{concurrency:>7} "
+                f"{f'{statistics.median(direct_ttft) * 1000:.2f}/{percentile(direct_ttft, 0.99) * 1000:.2f}':>23}")
+        for name in relays:
+            ttfts = asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens, args.token_interval))
+            p50, p99 = added_ms(direct_ttft, ttfts)
+            line += f" {f'{p50:.2f}/{p99:.2f}':>20}"
+        print(line, flush=True)
+    if args.requests:
+        parts = []
+        for name in relays:
+            before = cpu_seconds(setup.processes[name].pid)
+            asyncio.run(short_requests(setup.urls[name], args.requests, 16))
+            parts.append(f"{name} {(cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6:.0f} us")
+        print(f"# fixed cost: CPU per request over {args.requests} 4-token streams, 16 in flight: " + ", ".join(parts))
+    if args.ttft_samples:
+        samples = asyncio.run(idle_ttft(setup.urls, args.ttft_samples))
+        parts = [f"direct p50 {statistics.median(samples['direct']) * 1000:.2f} ms"]
+        for name in relays:
+            p50, p99 = added_ms(samples["direct"], samples[name])
+            parts.append(f"{name} adds p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+        print(f"# idle TTFT, {args.ttft_samples} single requests per target in turn: " + "; ".join(parts))
     return 0
 
 

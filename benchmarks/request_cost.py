@@ -1,0 +1,84 @@
+"""The fixed cost of one request, part by part, in process: what the record's making and export cost.
+
+Builds the record of a short streamed answer the way the forwarding path does (Recorder: request
+body, response head, a few chunks, finish with the classification), then hands it to each
+observer the proxy runs (telemetry's enricher, metrics, the JSON log line, the record store), and
+times each part over many requests. The relay itself (aiohttp's server and client) is measured
+end to end by `benchmarks/overhead.py --requests`.
+
+    python benchmarks/request_cost.py            # 20,000 requests per part
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from proxy.concurrency import InFlightTracker
+from proxy.logs import LogObserver, configure_logging
+from proxy.metrics import MetricsObserver, ProxyMetrics
+from proxy.recorder import Recorder
+from proxy.store import RecordStore
+
+BODY = b'{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}'
+CHUNKS = [b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+          b'"delta":{"content":"t%d"},"logprobs":null,"finish_reason":null}]}\n\n' % i for i in range(4)]
+FINAL = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+         b'"delta":{},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n'
+         b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],'
+         b'"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}\n\ndata: [DONE]\n\n')
+
+
+def record(i: int) -> Recorder:
+    recorder = Recorder.start(f"req-{i}", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(BODY)
+    recorder.concurrency(1, 1, 1.0)
+    recorder.response_head(200, "text/event-stream")
+    for n, chunk in enumerate(CHUNKS):
+        recorder.chunk(chunk, 0.01 * (n + 1))
+    recorder.chunk(FINAL, 0.05)
+    recorder.finish(0.06)
+    return recorder
+
+
+def timed(name: str, n: int, work: Callable[[int], object]) -> float:
+    started = time.process_time()
+    for i in range(n):
+        work(i)
+    spent = (time.process_time() - started) / n * 1e6
+    print(f"{name:<46} {spent:8.1f} us")
+    return spent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", type=int, default=20_000)
+    args = parser.parse_args()
+    sink = io.TextIOWrapper(io.BytesIO())  # held here: the logger writes to it to the end
+    configure_logging("info", "json", stream=sink)
+    metrics = ProxyMetrics(max_models=64)
+    observers: list[tuple[str, Callable[[object], None]]] = [
+        ("metrics (MetricsObserver.on_response)", MetricsObserver(metrics).on_response),  # type: ignore[list-item]
+        ("JSON log line (LogObserver.on_response)", LogObserver("http://127.0.0.1:8000").on_response),  # type: ignore[list-item]
+        ("record store (RecordStore.on_response)", RecordStore(10_000).on_response),  # type: ignore[list-item]
+    ]
+    records = [record(i).record for i in range(args.n)]
+    tracker = InFlightTracker()
+    print(f"# {time.strftime('%Y-%m-%d')}: fixed work per request, in process, {args.n} requests per part")
+    total = timed("record: parse 6 chunks, classify (Recorder)", args.n, record)
+    total += timed("concurrency tracking (admit + release)", args.n, lambda i: tracker.release(tracker.admit()))
+    total += timed("record.to_dict()", args.n, lambda i: records[i].to_dict())
+    for name, hook in observers:
+        total += timed(name, args.n, lambda i, hook=hook: hook(records[i]))  # type: ignore[misc]
+    print(f"{'sum':<46} {total:8.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
