@@ -511,7 +511,8 @@ def test_k8s_servicemonitor_and_prometheusrule_validate_against_the_operators_cr
     checked = validate_crds([objects["ServiceMonitor"], objects["PrometheusRule"]])
     assert [(c["kind"], c["errors"]) for c in checked] == [("ServiceMonitor", []), ("PrometheusRule", [])]
     # The check has teeth: a mistyped field and a bad duration are refused.
-    broken_monitor = {**objects["ServiceMonitor"], "spec": {**objects["ServiceMonitor"]["spec"], "endpoints": "metrics"}}
+    monitor = objects["ServiceMonitor"]
+    broken_monitor = {**monitor, "spec": {**monitor["spec"], "endpoints": "metrics"}}
     rule = objects["PrometheusRule"]
     group = {**rule["spec"]["groups"][0], "rules": [{"alert": "X", "expr": "up", "for": "5 minutes"}]}
     broken_rule = {**rule, "spec": {"groups": [group]}}
