@@ -1,6 +1,6 @@
 """The floor of any aiohttp-based proxy: a pass-through with a pooled client and nothing else.
 
-No parsing, no record, no metrics, no logs: what `overhead.py --baseline` measures instead of
+No parsing, no record, no metrics, no logs: what `overhead.py --targets direct,proxy,bare` measures beside
 the proxy, to tell the cost of the stack from the cost of the diagnosis. Not a product.
 
     python benchmarks/bare_passthrough.py --upstream http://127.0.0.1:11434 --listen 127.0.0.1:8080
