@@ -322,6 +322,7 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
         setup.urls["nginx"] = f"http://127.0.0.1:{port}/v1/chat/completions"
     common = ["--upstream", f"http://127.0.0.1:{up_port}", "--gpu-poll-interval", "0", "--upstream-metrics", "off",
               "--log-format", "json"]
+    proxy_only = ["--history", str(tmp / "history.sqlite3") if args.history else "off"]
     workers = ["--workers", str(args.workers)] if args.workers != 1 else []
     for name, command in (("proxy", ["-m", "proxy", "serve", *workers]),
                           ("bare", ["benchmarks/bare_passthrough.py"])):
@@ -329,8 +330,8 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
             continue
         port, admin = free_port(), free_port()
         setup.processes[name] = subprocess.Popen(
-            [sys.executable, *command, *common, "--listen", f"127.0.0.1:{port}",
-             "--admin-listen", f"127.0.0.1:{admin}"],
+            [sys.executable, *command, *common, *(proxy_only if name == "proxy" else []),
+             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}"],
             cwd=ROOT, stdout=subprocess.DEVNULL, preexec_fn=relay_pinned)
         wait_for(port)
         setup.urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -350,6 +351,7 @@ def main() -> int:
     parser.add_argument("--ttft-samples", type=int, default=200,
                         help="single requests per target, in turn, for the idle TTFT (0 = skip)")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
+    parser.add_argument("--history", action="store_true", help="the proxy writes its history (SQLite) meanwhile")
     parser.add_argument("--targets", default="direct,nginx,proxy",
                         help=f"comma-separated, of {', '.join(TARGETS)} (direct is always measured)")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
@@ -382,7 +384,7 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
         pass
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')}: relay overhead, OpenAI chat-completion SSE; proxy --workers "
-          f"{args.workers}; {os.cpu_count()} CPUs; pinning: {setup.pinning}")
+          f"{args.workers}, history {'on' if args.history else 'off'}; {os.cpu_count()} CPUs; pinning: {setup.pinning}")
     print(f"# unpaced: {args.tokens}-token streams, {args.batch} events per upstream write, {args.rounds} "
           f"closed-loop rounds per level; events per stream = tokens + {EXTRA_EVENTS} (role, finish, usage, DONE)")
     head = f"{'streams':>7} {'direct tok/s':>12}"

@@ -9,21 +9,26 @@ for more than a few milliseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 
 import aiohttp
 import orjson
+import structlog
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from proxy.concurrency import CONCURRENCY_BUCKETS
+from proxy.history import History
 from proxy.metrics import ProxyMetrics
 from proxy.record import CAUSES, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
 from proxy.store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore
 
+_log = structlog.get_logger("llm_diag_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 BATCH = 50  # records serialised between two yields to the event loop
 LENGTH_CAUSES: tuple[str, ...] = LengthCause.__args__  # type: ignore[attr-defined]
@@ -133,7 +138,7 @@ def bearer_matches(header: str, token: str) -> bool:
 
 
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
-                    ready: Callable[[], bool] = lambda: True) -> web.Application:
+                    ready: Callable[[], bool] = lambda: True, history: History | None = None) -> web.Application:
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token and request.path.startswith("/api/") and not bearer_matches(
@@ -170,15 +175,26 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             query = record_query(dict(request.query))
         except BadQuery as exc:
             return _error(400, "bad_request", str(exc))
+        head: dict[str, object]
+        if history is not None and history.up:
+            try:
+                page = await asyncio.to_thread(history.page, query)
+                head = {"count": len(page.records), "source": "history", "history": history.path}
+                return await write_records(request, head, page.records, {"next_cursor": page.next_cursor})
+            except sqlite3.Error as exc:  # the ring still answers; say so
+                _log.warning("history_read_failed", error=str(exc)[:300])
         page = store.page(query)
-        return await write_records(
-            request, {"count": len(page.records), "stored": len(store), "capacity": store.capacity},
-            page.records, {"next_cursor": page.next_cursor})
+        head = {"count": len(page.records), "source": "memory", "stored": len(store), "capacity": store.capacity}
+        return await write_records(request, head, page.records, {"next_cursor": page.next_cursor})
 
     async def one_request(request: web.Request) -> web.Response:
-        record = store.get(request.match_info["request_id"])
+        request_id = request.match_info["request_id"]
+        record = store.get(request_id)
+        if record is None and history is not None and history.up:
+            with contextlib.suppress(sqlite3.Error):
+                record = await asyncio.to_thread(history.get, request_id)
         if record is None:
-            return _error(404, "not_found", "no record with that request id (it may have left the ring)")
+            return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")
         return _json(record.to_dict())
 
     app = web.Application(middlewares=[require_token])

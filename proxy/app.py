@@ -20,6 +20,7 @@ from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
 from proxy.config import ProxyConfig
 from proxy.forward import Forwarder
+from proxy.history import History
 from proxy.listeners import GuardedRunner, listen
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
@@ -61,10 +62,23 @@ def proxy_application(config: ProxyConfig, session: aiohttp.ClientSession, obser
     return forwarder, app
 
 
+def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
+    """The history database named by the config, its writer started; None when off. One that
+    cannot be opened is logged and stays down (`llm_proxy_history_up 0`): the proxy serves anyway."""
+    if config.history_path is None:
+        metrics.history_up.set(0)
+        return None
+    history = History(config.history_path, max_age_s=config.history_max_age_s, max_bytes=config.history_max_bytes,
+                      metrics=metrics)
+    history.open()
+    return history
+
+
 def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
-                    extra_observers: tuple[object, ...] = (), log_records: bool | None = None) -> ObserverChain:
+                    extra_observers: tuple[object, ...] = (), log_records: bool | None = None,
+                    history: History | None = None) -> ObserverChain:
     """The observers of finished records, in order: the telemetry enricher first (what it adds
-    is exported below), then metrics, the JSON log line and the record store."""
+    is exported below), then metrics, the JSON log line, the record store and the history."""
     chain = ObserverChain()
     chain.add(telemetry.observer)
     for observer in extra_observers:
@@ -73,6 +87,8 @@ def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telem
     if config.log_records if log_records is None else log_records:
         chain.add(LogObserver(config.upstream))
     chain.add(store)
+    if history is not None:
+        chain.add(history)
     return chain
 
 
@@ -92,6 +108,7 @@ class RunningProxy:
     _proxy_site: web.TCPSite | None = None
     _session: aiohttp.ClientSession | None = None
     _telemetry: Telemetry | None = None
+    history: History | None = None
     _closed: bool = False
 
     async def shutdown(self, grace_s: float) -> float:
@@ -116,6 +133,8 @@ class RunningProxy:
             await runner.cleanup()
         if self._telemetry is not None:
             await self._telemetry.stop()
+        if self.history is not None:
+            await asyncio.to_thread(self.history.close)
         if self._session is not None:
             await self._session.close()
 
@@ -126,8 +145,9 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
     telemetry = Telemetry(config, metrics)
+    history = open_history(config, metrics)
     chain = exporting_chain(config, metrics, telemetry, store, extra_observers=extra_observers,
-                            log_records=log_records)
+                            log_records=log_records, history=history)
     session = upstream_session(config)
     concurrency = InFlightTracker()
     budget = ByteBudget(config.parse_budget_bytes)
@@ -135,9 +155,10 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
                        parse_budget_refusals=lambda: budget.refused)
     forwarder, proxy_app = proxy_application(config, session, chain, concurrency, budget)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
-    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down)
+    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
+                                history=history)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
-                           _telemetry=telemetry)
+                           _telemetry=telemetry, history=history)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:

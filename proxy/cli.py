@@ -19,10 +19,12 @@ from proxy.config import (
     DEFAULT_UPSTREAM,
     ConfigError,
     ProxyConfig,
+    parse_duration,
     parse_host_port,
     parse_positive_int,
     parse_positive_seconds,
     parse_seconds,
+    parse_size,
     parse_upstream_url,
 )
 
@@ -108,6 +110,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
                         metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
                                               "response bodies; beyond it bodies pass unread (default 256 MiB)")
+    parser.add_argument("--history", default=os.environ.get("LLM_DIAG_HISTORY") or None, metavar="PATH|off",
+                        help="keep every record in this SQLite database, across restarts (env LLM_DIAG_HISTORY; "
+                             "default ~/.local/state/llm-diag-proxy/history.sqlite3; off: memory only)")
+    parser.add_argument("--history-max-age", type=flag_type(parse_duration), default=7 * 86400.0, metavar="AGE",
+                        help="drop history older than this: 90s, 30m, 12h, 7d (default 7d; 0 keeps all)")
+    parser.add_argument("--history-max-bytes", type=flag_type(parse_size), default=1 << 30, metavar="SIZE",
+                        help="drop the oldest history past this size: 500MiB, 1GiB (default 1GiB; 0: no limit)")
     parser.add_argument("--workers", type=flag_type(parse_positive_int), default=1, metavar="N",
                         help="processes serving the proxy port (SO_REUSEPORT), when one core is not enough; "
                              "counts, metrics and records stay proxy-wide (default %(default)s)")
@@ -121,6 +130,15 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=("json", "console"),
                         default="console" if sys.stdout.isatty() else "json",
                         help="json (the default when stdout is not a terminal) or console")
+
+
+def history_path(value: str | None) -> str | None:
+    """`--history`: a path, `off`, or unset (the default location)."""
+    from proxy.history import default_path
+
+    if value is None:
+        return default_path()
+    return None if value.strip().lower() in ("off", "none", "") else value
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -147,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             shutdown_grace_s=args.shutdown_grace,
             parse_budget_bytes=args.parse_budget,
             workers=getattr(args, "workers", 1),
+            history_path=history_path(getattr(args, "history", "off")),
+            history_max_age_s=getattr(args, "history_max_age", 7 * 86400.0),
+            history_max_bytes=getattr(args, "history_max_bytes", 1 << 30),
             log_level=args.log_level,
             log_format=args.log_format,
         )

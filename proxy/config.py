@@ -137,6 +137,38 @@ def parse_positive_int(value: str) -> int:
     return number
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_duration(value: str) -> float:
+    """`90`, `90s`, `30m`, `12h`, `7d`, `2w` -> seconds (non-negative; 0 means off)."""
+    text = value.strip().lower()
+    unit = text[-1:] if text[-1:] in _DURATION_UNITS else "s"
+    number = text[:-1] if text[-1:] in _DURATION_UNITS else text
+    try:
+        seconds = float(number) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"invalid duration {value!r}: expected a number with s, m, h, d or w") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ConfigError(f"invalid duration {value!r}: must be 0 (off) or more")
+    return seconds
+
+
+def parse_size(value: str) -> int:
+    """`1073741824`, `500MB`, `1GiB`, `2g` -> bytes (non-negative; 0 means no limit)."""
+    text = value.strip().lower().replace(" ", "")
+    digits = len(text) - len(text.lstrip("0123456789."))
+    unit = text[digits:]
+    if not digits or unit not in _SIZE_UNITS:
+        raise ConfigError(f"invalid size {value!r}: expected bytes, or a number with KiB, MiB, GiB (or KB, MB, GB)")
+    try:
+        return int(float(text[:digits]) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"invalid size {value!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """Everything `serve` needs; built from flags and environment by the CLI, or directly in tests."""
@@ -165,6 +197,9 @@ class ProxyConfig:
     shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
     parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
     workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/workers.py
+    history_path: str | None = None  # the SQLite history (proxy/history.py); None: off (the CLI has a default)
+    history_max_age_s: float = 7 * 86400.0
+    history_max_bytes: int = 1 << 30
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)

@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
     add_sweep_arguments(parser)
     # The simulator is the upstream; the demo's own listeners take free ports unless told otherwise.
     parser.set_defaults(listen="127.0.0.1:0", admin_listen="127.0.0.1:0", log_level="warning",
-                        upstream="http://127.0.0.1:1", repeats=3, max_tokens=DEMO_MAX_TOKENS, timeout=30.0,
+                        upstream="http://127.0.0.1:1", history="off", repeats=3, max_tokens=DEMO_MAX_TOKENS,
+                        timeout=30.0,
                         out_dir=None, func=run)
     for action in parser._actions:  # argparse has no public way to hide an inherited flag
         if action.dest == "upstream":

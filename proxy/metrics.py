@@ -102,6 +102,12 @@ class ProxyMetrics:
         self.workers = Gauge(
             "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
         self.workers.set(1)
+        self.history_up = Gauge(
+            "llm_proxy_history_up", "1 while records are written to the history database (--history), "
+            "0 when it is off or cannot be written (full or read-only disk).", registry=r)
+        self.history_dropped = Counter(
+            "llm_proxy_history_dropped", "Records not written to the history (its writer fell behind or the "
+            "database could not be written); they stay in the in-memory ring.", registry=r)
         self.records_lost = Counter(
             "llm_proxy_records_lost", "Records a worker process could not hand to the process that exports "
             "them (its channel was full or broken); their exchanges were relayed all the same.", registry=r)

@@ -39,7 +39,7 @@ import orjson
 import structlog
 
 from proxy.admin import UpstreamProbe, build_admin_app
-from proxy.app import END_WAIT_S, RUNNER_SHUTDOWN_S, drain, exporting_chain, proxy_application
+from proxy.app import END_WAIT_S, RUNNER_SHUTDOWN_S, drain, exporting_chain, open_history, proxy_application
 from proxy.budget import ByteBudget, shared_budget
 from proxy.concurrency import InFlightTracker, SharedCounts
 from proxy.config import HostPort, ProxyConfig
@@ -359,7 +359,8 @@ async def _supervise(config: ProxyConfig) -> int:
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
     telemetry = Telemetry(config, metrics)
-    chain = exporting_chain(config, metrics, telemetry, store)
+    history = open_history(config, metrics)
+    chain = exporting_chain(config, metrics, telemetry, store, history=history)
     view = InFlightTracker(counts=counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=budget_state)
     metrics.read_state(in_flight=lambda: view.in_flight, parse_budget_used=lambda: budget.used,
@@ -367,7 +368,8 @@ async def _supervise(config: ProxyConfig) -> int:
     pool = WorkerPool(config, counts, budget_state, chain, metrics)
     session = upstream_session(config)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
-    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not pool.stopping)
+    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not pool.stopping,
+                                history=history)
     admin_runner = None
     code = 0
     try:
@@ -406,5 +408,7 @@ async def _supervise(config: ProxyConfig) -> int:
             await admin_runner.cleanup()
         await telemetry.stop()
         await session.close()
+        if history is not None:
+            await asyncio.to_thread(history.close)
         _log.info("stopped", seconds=round(time.monotonic() - started, 3))
     return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,10 @@ import pytest
 from proxy.app import RunningProxy, start_proxy
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import ScriptedUpstream
+
+# `serve` started by a test keeps its history in memory unless the test names a database: no test
+# writes into ~/.local/state (tests/test_history.py gives each proxy a database of its own).
+os.environ.setdefault("LLM_DIAG_HISTORY", "off")
 
 
 @pytest.fixture

@@ -1,0 +1,139 @@
+"""The history: records in SQLite that outlive the proxy, read back through /api/requests, kept
+within their age and size, and a disk that fails costs the records, never the traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from proxy.app import start_proxy
+from proxy.history import History
+from proxy.record import ResponseRecord
+from proxy.store import RecordQuery
+from tests.support.proxies import ProxyFactory, proxy_config
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import openai_stream
+
+CHAT = {"model": "m", "stream": True, "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def send(client: aiohttp.ClientSession, url: str, request_id: str, body: dict[str, object] = CHAT) -> None:
+    async with client.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}) as response:
+        await response.read()
+
+
+async def listed(client: aiohttp.ClientSession, admin_url: str, query: str = "") -> dict[str, object]:
+    async with client.get(f"{admin_url}/api/requests?{query}") as response:
+        assert response.status == 200, await response.text()
+        found: dict[str, object] = orjson.loads(await response.read())
+        return found
+
+
+async def until_written(history: History, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while history.written < count:
+        assert time.monotonic() < deadline, (history.written, history.dropped)
+        await asyncio.sleep(0.05)
+
+
+async def test_records_survive_a_restart_and_answer_since_queries(upstream: ScriptedUpstream, tmp_path: Path,
+                                                                 client: aiohttp.ClientSession) -> None:
+    path = str(tmp_path / "history.sqlite3")
+    upstream.default = Script(chunks=openai_stream(5))
+    first = await start_proxy(proxy_config(upstream.url, history_path=path))
+    started = time.time()
+    for n in range(12):
+        await send(client, first.proxy_url, f"h{n}", {**CHAT, "model": "m2"} if n % 3 == 0 else CHAT)
+    assert first.history is not None
+    await until_written(first.history, 12)
+    await first.close()
+
+    second = await start_proxy(proxy_config(upstream.url, history_path=path))  # a fresh ring, the same database
+    try:
+        assert len(second.store) == 0
+        page = await listed(client, second.admin_url, f"since={started - 1:.3f}&limit=5")
+        assert page["source"] == "history" and [r["request_id"] for r in page["records"]] == [  # type: ignore[union-attr]
+            "h11", "h10", "h9", "h8", "h7"]
+        rest = await listed(client, second.admin_url, f"since={started - 1:.3f}&limit=50&cursor={page['next_cursor']}")
+        assert [r["request_id"] for r in rest["records"]] == [f"h{n}" for n in range(6, -1, -1)]  # type: ignore[union-attr]
+        assert rest["next_cursor"] is None
+        other = await listed(client, second.admin_url, "model=m2&outcome=complete&concurrency=1")
+        assert sorted(r["request_id"] for r in other["records"]) == ["h0", "h3", "h6", "h9"]  # type: ignore[union-attr]
+        assert (await listed(client, second.admin_url, "until=1000"))["records"] == []
+        async with client.get(f"{second.admin_url}/api/requests/h4") as response:
+            assert response.status == 200 and orjson.loads(await response.read())["stop_reason"] == "eos"
+        async with client.get(f"{second.admin_url}/metrics") as response:
+            assert "llm_proxy_history_up 1.0" in await response.text()
+    finally:
+        await second.close()
+
+
+async def test_an_unwritable_history_is_one_line_and_a_metric_and_traffic_flows(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, tmp_path: Path, client: aiohttp.ClientSession,
+        capsys: object) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proxy = await make_proxy(upstream.url, history_path=str(blocker / "history.sqlite3"))
+    upstream.default = Script(chunks=openai_stream(3))
+    await send(client, proxy.proxy_url, "x1")
+    page = await listed(client, proxy.admin_url)
+    assert page["source"] == "memory" and [r["request_id"] for r in page["records"]] == ["x1"]  # type: ignore[union-attr]
+    async with client.get(f"{proxy.admin_url}/metrics") as response:
+        assert "llm_proxy_history_up 0.0" in await response.text()
+
+
+async def test_a_full_disk_drops_records_from_the_history_only_and_says_so(tmp_path: Path) -> None:
+    history = History(str(tmp_path / "full.sqlite3"), max_age_s=0, max_bytes=0, page_limit=8)
+    assert history.open()
+    for n in range(400):  # a few KB each: far more than 8 pages
+        history.on_response(record(f"f{n}", time.time()))
+    deadline = time.monotonic() + 10
+    while history.up and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not history.up and history.dropped > 0
+    await asyncio.to_thread(history.close)
+
+
+async def test_retention_by_age_and_by_size(tmp_path: Path) -> None:
+    old = History(str(tmp_path / "age.sqlite3"), max_age_s=3600, max_bytes=0)
+    old.retention_every_s = 0.0
+    assert old.open()
+    now = time.time()
+    for n in range(20):
+        old.on_response(record(f"a{n}", now - 7200 if n < 15 else now))
+    await asyncio.to_thread(old.close)
+    assert old.count() == 5 and {r.request_id for r in old.between(None)} == {f"a{n}" for n in range(15, 20)}
+
+    small = History(str(tmp_path / "size.sqlite3"), max_age_s=0, max_bytes=256 * 1024)
+    small.retention_every_s = 0.0
+    assert small.open()
+    for n in range(3000):
+        small.on_response(record(f"s{n}", now))
+        if n % 500 == 0:
+            await asyncio.sleep(0.3)
+    await asyncio.to_thread(small.close)
+    assert small.size_bytes() <= 2 * 256 * 1024 and 0 < small.count() < 3000
+    newest = small.page(RecordQuery(limit=1)).records[0]
+    assert newest.request_id == "s2999"  # the oldest go first
+
+
+def record(request_id: str, started_at: float) -> ResponseRecord:
+    return ResponseRecord(request_id=request_id, method="POST", path="/v1/chat/completions",
+                          route="/v1/chat/completions", dialect="openai", started_at=started_at, model="m",
+                          status=200, output_tokens=10, stop_reason="eos", upstream_error_detail="x" * 2000)
+
+
+def test_the_cli_default_is_a_file_in_the_users_state_directory(tmp_path: Path) -> None:
+    from proxy.cli import history_path
+
+    os.environ["XDG_STATE_HOME"] = str(tmp_path)
+    try:
+        assert history_path(None) == str(tmp_path / "llm-diag-proxy" / "history.sqlite3")
+    finally:
+        del os.environ["XDG_STATE_HOME"]
+    assert history_path("off") is None and history_path("/x/y.db") == "/x/y.db"
