@@ -30,7 +30,7 @@ from proxy.config import (
 
 PROG = "llm-diag-proxy"
 # Modules that add a subcommand through `register(subparsers)`; serve is defined here.
-SUBCOMMAND_MODULES = ("proxy.simulator.cli", "proxy.sweep.cli", "proxy.demo")
+SUBCOMMAND_MODULES = ("proxy.simulator.cli", "proxy.sweep.cli", "proxy.sweep.diagnose", "proxy.demo")
 T = TypeVar("T")
 
 
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    commands = {"serve", "simulate", "sweep", "demo"}
+    commands = {"serve", "simulate", "sweep", "diagnose", "demo"}
     if not arguments or (arguments[0] not in commands and arguments[0] not in ("-h", "--help", "--version")):
         arguments.insert(0, "serve")
     args = parser.parse_args(arguments)
