@@ -137,14 +137,82 @@ def bearer_matches(header: str, token: str) -> bool:
     return hmac.compare_digest(supplied, token.encode("utf-8", "surrogateescape"))
 
 
+SESSION_COOKIE = "llm_diag_admin"
+
+
+def session_value(token: str) -> str:
+    """What the page's cookie holds: an HMAC of the token, never the token itself."""
+    return hmac.new(token.encode("utf-8", "surrogateescape"), b"llm-diag-proxy admin page", "sha256").hexdigest()
+
+
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
                     ready: Callable[[], bool] = lambda: True, history: History | None = None) -> web.Application:
+    session = session_value(token) if token else ""
+
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path.startswith("/api/") and not bearer_matches(
-                request.headers.get("Authorization", ""), token):
-            return _error(401, "unauthorized", "this admin API needs 'Authorization: Bearer <token>'")
-        return await handler(request)
+        """`/api/*` and the page `/` need the token: as a bearer header, or (for a browser) the cookie
+        the page sets after it was opened once as `/?token=TOKEN`."""
+        if not token or not (request.path.startswith("/api/") or request.path == "/"):
+            return await handler(request)
+        cookie = request.cookies.get(SESSION_COOKIE, "")
+        if bearer_matches(request.headers.get("Authorization", ""), token) or hmac.compare_digest(
+                cookie.encode(), session.encode()):
+            return await handler(request)
+        given = request.query.get("token")
+        if request.path == "/" and given is not None and hmac.compare_digest(
+                given.encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")):
+            found = web.HTTPFound("/")  # the token leaves the address bar (and the history) at once
+            found.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/")
+            return found
+        if request.path == "/":
+            return web.Response(status=401, content_type="text/plain",
+                                text="This page needs the admin token: open /?token=<token> once (a cookie "
+                                     "keeps you in), or send 'Authorization: Bearer <token>'.\n")
+        return _error(401, "unauthorized", "this admin API needs 'Authorization: Bearer <token>'")
+
+    async def page(request: web.Request) -> web.Response:
+        from proxy import page as admin_page
+
+        choices = {"stop_reason": list(STOP_REASONS), "cause": list(CAUSES), "outcome": list(OUTCOMES),
+                   "concurrency": list(CONCURRENCY_BUCKETS)}
+        return web.Response(body=admin_page.render(choices), content_type="text/html",
+                            headers={"Cache-Control": "no-store", "X-Frame-Options": "DENY",
+                                     "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                                "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+    async def diagnose(request: web.Request) -> web.Response:
+        """The live verdict (`llm-diag-proxy diagnose`) of the last `since` seconds, as JSON."""
+        from proxy.sweep.diagnose import OBSERVATIONAL, groups_of, sweep_command
+
+        try:
+            seconds = float(request.query.get("since", "3600"))
+            min_per_level = int(request.query.get("min_per_level", "5"))
+        except ValueError:
+            return _error(400, "bad_request", "since is seconds, min_per_level an integer")
+        if not (0 < seconds <= 366 * 86400 and 1 <= min_per_level <= 1000):
+            return _error(400, "bad_request", "since must be 0 to a year of seconds, min_per_level 1 to 1000")
+        since = time.time() - seconds
+        records: list[ResponseRecord] | None = None
+        if history is not None and history.up:
+            with contextlib.suppress(sqlite3.Error):
+                records = await asyncio.to_thread(history.between, since, None, 50_000)
+        if records is None:
+            records = [r for r in store.newest_first() if r.started_at >= since]
+        groups = await asyncio.to_thread(groups_of, records, min_per_level=min_per_level)
+        admin = f"{request.scheme}://{request.host}"
+        return _json({
+            "since": since, "records": len(records), "observational": OBSERVATIONAL,
+            "note": ("no model and budget band has records at two concurrency levels with "
+                     f"{min_per_level} or more each yet"),
+            "groups": [{"name": g.name(), "model": g.model, "band": g.band, "n": len(g.samples),
+                        "levels": [{"level": s.level, "n": s.n, "completion_rate": s.completion_rate,
+                                    "output_tokens_median": s.output_tokens_median, "stop_counts": s.stop_counts}
+                                   for s in g.summaries],
+                        "verdict": g.verdict.to_dict(),
+                        "sweep": (None if g.verdict.kind in ("no_load_effect", "insufficient_data")
+                                  else sweep_command(g, "http://127.0.0.1:8080", admin))}
+                       for g in groups]})
 
     async def metrics_page(request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it (Prometheus does): it carries the exemplars.
@@ -198,6 +266,8 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         return _json(record.to_dict())
 
     app = web.Application(middlewares=[require_token])
+    app.router.add_get("/", page)
+    app.router.add_get("/api/diagnose", diagnose)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
