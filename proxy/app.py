@@ -27,6 +27,7 @@ from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import ObserverChain
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
+from proxy.tracing import Tracer, TracingUnavailable
 from proxy.upstream_client import upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -74,9 +75,18 @@ def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
     return history
 
 
+def open_tracer(config: ProxyConfig, metrics: ProxyMetrics) -> Tracer | None:
+    """The OpenTelemetry exporter when `--otel` asks for it (TracingUnavailable without the SDK)."""
+    if not config.otel:
+        return None
+    from proxy.tracing import Tracer
+
+    return Tracer(config.upstream, metrics)
+
+
 def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
                     extra_observers: tuple[object, ...] = (), log_records: bool | None = None,
-                    history: History | None = None) -> ObserverChain:
+                    history: History | None = None, tracer: Tracer | None = None) -> ObserverChain:
     """The observers of finished records, in order: the telemetry enricher first (what it adds
     is exported below), then metrics, the JSON log line, the record store and the history."""
     chain = ObserverChain()
@@ -87,8 +97,9 @@ def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telem
     if config.log_records if log_records is None else log_records:
         chain.add(LogObserver(config.upstream))
     chain.add(store)
-    if history is not None:
-        chain.add(history)
+    for exporter in (history, tracer):
+        if exporter is not None:
+            chain.add(exporter)
     return chain
 
 
@@ -109,6 +120,7 @@ class RunningProxy:
     _session: aiohttp.ClientSession | None = None
     _telemetry: Telemetry | None = None
     history: History | None = None
+    tracer: Tracer | None = None
     _closed: bool = False
 
     async def shutdown(self, grace_s: float) -> float:
@@ -135,6 +147,8 @@ class RunningProxy:
             await self._telemetry.stop()
         if self.history is not None:
             await asyncio.to_thread(self.history.close)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.close)
         if self._session is not None:
             await self._session.close()
 
@@ -145,9 +159,10 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
     telemetry = Telemetry(config, metrics)
+    tracer = open_tracer(config, metrics)
     history = open_history(config, metrics)
     chain = exporting_chain(config, metrics, telemetry, store, extra_observers=extra_observers,
-                            log_records=log_records, history=history)
+                            log_records=log_records, history=history, tracer=tracer)
     session = upstream_session(config)
     concurrency = InFlightTracker()
     budget = ByteBudget(config.parse_budget_bytes)
@@ -158,7 +173,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
                                 history=history)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
-                           _telemetry=telemetry, history=history)
+                           _telemetry=telemetry, history=history, tracer=tracer)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:
@@ -200,6 +215,9 @@ async def _serve(config: ProxyConfig) -> int:
         running = await start_proxy(config)
     except OSError as exc:
         print(f"llm-diag-proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except TracingUnavailable as exc:
+        print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
         return 2
     _log.info("listening", proxy=running.proxy_url, admin=running.admin_url, upstream=config.upstream,
               deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,

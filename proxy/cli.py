@@ -117,6 +117,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drop history older than this: 90s, 30m, 12h, 7d (default 7d; 0 keeps all)")
     parser.add_argument("--history-max-bytes", type=flag_type(parse_size), default=1 << 30, metavar="SIZE",
                         help="drop the oldest history past this size: 500MiB, 1GiB (default 1GiB; 0: no limit)")
+    parser.add_argument("--otel", action="store_true",
+                        help="export one OpenTelemetry span per response over OTLP (endpoint, protocol and service "
+                             "name from OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME)")
     parser.add_argument("--workers", type=flag_type(parse_positive_int), default=1, metavar="N",
                         help="processes serving the proxy port (SO_REUSEPORT), when one core is not enough; "
                              "counts, metrics and records stay proxy-wide (default %(default)s)")
@@ -165,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             shutdown_grace_s=args.shutdown_grace,
             parse_budget_bytes=args.parse_budget,
             workers=getattr(args, "workers", 1),
+            otel=getattr(args, "otel", False),
             history_path=history_path(getattr(args, "history", "off")),
             history_max_age_s=getattr(args, "history_max_age", 7 * 86400.0),
             history_max_bytes=getattr(args, "history_max_bytes", 1 << 30),

@@ -200,6 +200,7 @@ class ProxyConfig:
     history_path: str | None = None  # the SQLite history (proxy/history.py); None: off (the CLI has a default)
     history_max_age_s: float = 7 * 86400.0
     history_max_bytes: int = 1 << 30
+    otel: bool = False  # OpenTelemetry spans over OTLP (proxy/tracing.py), configured by the OTEL_* env
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)

@@ -137,6 +137,7 @@ class Forwarder:
         started = time.monotonic()
         recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
                                   request.path, limits=self.limits, started=started)
+        recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
         tracker = self.concurrency
         slot = tracker.admit() if recorder.inference else None
         at_start = slot.at_start if slot is not None else tracker.in_flight

@@ -108,6 +108,9 @@ class ProxyMetrics:
         self.history_dropped = Counter(
             "llm_proxy_history_dropped", "Records not written to the history (its writer fell behind or the "
             "database could not be written); they stay in the in-memory ring.", registry=r)
+        self.trace_spans_dropped = Counter(
+            "llm_proxy_trace_spans_dropped", "OpenTelemetry spans not exported (--otel): the queue was full or the "
+            "OTLP endpoint failed; the traffic was not affected.", registry=r)
         self.records_lost = Counter(
             "llm_proxy_records_lost", "Records a worker process could not hand to the process that exports "
             "them (its channel was full or broken); their exchanges were relayed all the same.", registry=r)

@@ -88,9 +88,11 @@ function chart(levels) {
     bar.setAttribute('x', x + 10); bar.setAttribute('y', h - l.completion_rate * h); bar.setAttribute('width', 40);
     bar.setAttribute('height', Math.max(1, l.completion_rate * h)); bar.setAttribute('fill', '#4c78a8');
     const title = document.createElementNS(ns, 'title');
-    title.textContent = 'concurrency ' + l.level + ': ' + l.n + ' answers, median ' + l.output_tokens_median + ' tokens';
+    title.textContent = 'concurrency ' + l.level + ': ' + l.n + ' answers, median ' +
+      l.output_tokens_median + ' tokens';
     bar.appendChild(title);
-    svg.append(bar, text(x + 30, h + 14, 'c=' + l.level), text(x + 30, h + 28, Math.round(l.completion_rate * 100) + '%'));
+    const share = Math.round(l.completion_rate * 100) + '%';
+    svg.append(bar, text(x + 30, h + 14, 'c=' + l.level), text(x + 30, h + 28, share));
   });
   return svg;
 }

@@ -125,6 +125,8 @@ class ResponseRecord:
     upstream_retries: int = 0  # an idempotent request sent again after a pooled connection turned out closed
     upstream_request_id: str | None = None  # the upstream's own X-Request-Id, where it differs from ours
     request_note: str | None = None  # why the request body was not read (over the cap, the budget spent)
+    trace_id: str | None = None  # from the client's W3C traceparent (32 hex), when it sent a valid one
+    parent_span_id: str | None = None  # the client's span in that traceparent (16 hex)
     parse_error: bool = False
     parse_error_detail: str | None = None
     bytes_out: int = 0

@@ -109,6 +109,18 @@ class Recorder:
         """The request is a generation in a dialect the proxy reads."""
         return self._dialect is not None
 
+    def trace_context(self, traceparent: str | None) -> None:
+        """The client's W3C `traceparent` (version 00): its trace and span ids go on the record,
+        so the exported span joins the client's trace; anything malformed is ignored."""
+        if traceparent is None or len(traceparent) != 55:
+            return
+        version, trace_id, span_id, flags = [*traceparent.split("-"), "", "", ""][:4]
+        valid = (version == "00" and len(trace_id) == 32 and len(span_id) == 16 and len(flags) == 2
+                 and all(c in "0123456789abcdef" for c in trace_id + span_id + flags)
+                 and trace_id != "0" * 32 and span_id != "0" * 16)
+        if valid:
+            self.record.trace_id, self.record.parent_span_id = trace_id, span_id
+
     # --- the request ----------------------------------------------------------------------
     def request_body(self, body: bytes | bytearray | None, note: str | None = None) -> None:
         """The request body when it was held whole (None: none, or too large to read; `note` says)."""

@@ -39,7 +39,15 @@ import orjson
 import structlog
 
 from proxy.admin import UpstreamProbe, build_admin_app
-from proxy.app import END_WAIT_S, RUNNER_SHUTDOWN_S, drain, exporting_chain, open_history, proxy_application
+from proxy.app import (
+    END_WAIT_S,
+    RUNNER_SHUTDOWN_S,
+    drain,
+    exporting_chain,
+    open_history,
+    open_tracer,
+    proxy_application,
+)
 from proxy.budget import ByteBudget, shared_budget
 from proxy.concurrency import InFlightTracker, SharedCounts
 from proxy.config import HostPort, ProxyConfig
@@ -50,6 +58,7 @@ from proxy.observers import ObserverChain
 from proxy.record import ResponseRecord, record_from_dict
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
+from proxy.tracing import TracingUnavailable
 from proxy.upstream_client import upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -359,8 +368,14 @@ async def _supervise(config: ProxyConfig) -> int:
     metrics = ProxyMetrics(max_models=config.max_models)
     store = RecordStore(config.ring_size)
     telemetry = Telemetry(config, metrics)
+    try:
+        tracer = open_tracer(config, metrics)
+    except TracingUnavailable as exc:
+        held.close()
+        print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
+        return 2
     history = open_history(config, metrics)
-    chain = exporting_chain(config, metrics, telemetry, store, history=history)
+    chain = exporting_chain(config, metrics, telemetry, store, history=history, tracer=tracer)
     view = InFlightTracker(counts=counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=budget_state)
     metrics.read_state(in_flight=lambda: view.in_flight, parse_budget_used=lambda: budget.used,
@@ -410,5 +425,7 @@ async def _supervise(config: ProxyConfig) -> int:
         await session.close()
         if history is not None:
             await asyncio.to_thread(history.close)
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)
         _log.info("stopped", seconds=round(time.monotonic() - started, 3))
     return code
