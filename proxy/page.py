@@ -3,7 +3,8 @@ live verdict of the last hour. Plain HTML and a little JavaScript, served by the
 step and nothing loaded from anywhere else, so it works offline.
 
 The page holds no data itself: it reads `/api/requests` and `/api/diagnose` from the same origin.
-Filters live in the URL's fragment (`/#stop_reason=length&model=m`), so a view can be linked.
+Filters live in the URL's fragment (`/#stop_reason=length&model=m`), so a view can be linked;
+`record=<id>` there opens that record in full.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ async function refresh() {
     cell(row, r.cause);
     cell(row, (r.output_tokens ?? '-') + ' / ' + (r.requested_max_tokens ?? '-'), 'num');
     cell(row, r.concurrency_peak, 'num'); cell(row, ms(r.ttft_s), 'num'); cell(row, r.request_id, 'muted');
-    row.addEventListener('click', () => show(r.request_id));
+    row.addEventListener('click', () => { const s = state(); s.set('record', r.request_id);
+      history.replaceState(null, '', '#' + s); show(r.request_id); });
   }
   status.textContent = page.records.length + ' records (' + page.source + '), updated ' +
     new Date().toLocaleTimeString();
@@ -116,6 +118,7 @@ async function verdict() {
   }
 }
 load(); refresh(); verdict();
+if (state().get('record')) show(state().get('record'));
 setInterval(refresh, 2000); setInterval(verdict, 15000);
 """
 

@@ -65,6 +65,8 @@ async def test_the_page_shows_live_records_a_filter_and_the_verdict_in_a_real_br
     filtered = await asyncio.to_thread(dom, proxy.admin_url + "/#stop_reason=length")
     assert filtered.count('data-id="') == 8 and 'data-id="alone-0"' not in filtered
     assert '<option value="length" selected' in filtered or 'length</option>' in filtered
+    one = await asyncio.to_thread(dom, proxy.admin_url + "/#record=busy-2")
+    assert '"request_id": "busy-2"' in one and '"cause": "server_limit"' in one  # the record in full
 
 
 async def test_the_live_verdict_api_and_one_record_in_full(upstream: ScriptedUpstream,

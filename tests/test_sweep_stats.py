@@ -177,3 +177,15 @@ def test_without_a_client_clock_the_records_give_wall_time_and_latency() -> None
 def test_a_level_with_no_measurable_wall_time_has_no_rates() -> None:
     summary = summarize_level(1, level(1, 2, duration=0.0))
     assert summary.wall_s is None and summary.output_tokens_per_s is None and summary.requests_per_s is None
+
+
+def test_the_completion_interval_is_wilsons_and_stays_inside_0_and_1() -> None:
+    from proxy.sweep.stats import wilson
+
+    assert wilson(0, 0) == (0.0, 1.0)
+    low, high = wilson(10, 10)
+    assert high == pytest.approx(1.0) and 0.69 < low < 0.73  # 10 of 10: [72.2%, 100%]
+    low, high = wilson(3, 12)
+    assert 0.08 < low < 0.09 and 0.53 < high < 0.54
+    summary = summarize_level(1, level(1, 4) + [sample(1, 9, stop="length", length_cause="server_limit")])
+    assert summary.completion_low is not None and summary.completion_low < 0.8 < summary.completion_high  # type: ignore[operator]

@@ -25,7 +25,7 @@ def test_a_row_has_every_column_in_order() -> None:
                sample(4, 1, tokens=40, stop="length", length_cause="server_limit", client_disconnected=True)]
     cells = row(summarize_level(4, samples))
     assert len(cells) == len(COLUMNS)
-    assert cells == ("4", "2", "70 [55-85]", "-", "50%", "140", "2", "200ms/200ms", "40ms/40ms",
+    assert cells == ("4", "2", "70 [55-85]", "-", "50% [9-91]", "140", "2", "200ms/200ms", "40ms/40ms",
                      "1.00s/1.00s/1.00s", "1", "1", "1/1", "1.00 GiB", "91%", "eos 1, length:server_limit 1")
 
 

@@ -135,6 +135,8 @@ class LevelSummary:
     latency_p50_s: float | None = None  # end to end, as the client saw it (send to last byte)
     latency_p95_s: float | None = None
     latency_p99_s: float | None = None
+    completion_low: float | None = None  # 95% Wilson interval of completion_rate
+    completion_high: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,7 +201,19 @@ def summarize_level(level: int, samples: Sequence[Sample]) -> LevelSummary:
         latency_p50_s=quantile(latencies, 0.5),
         latency_p95_s=quantile(latencies, 0.95),
         latency_p99_s=quantile(latencies, 0.99),
+        completion_low=wilson(complete, len(records))[0],
+        completion_high=wilson(complete, len(records))[1],
     )
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (sound at 0 and n, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def latency(sample: Sample) -> float:

@@ -17,7 +17,8 @@ COLUMN_HELP: dict[str, str] = {
     "out tok med [IQR]": "output tokens per response: median [first-third quartile]; ~ marks counted chunks, "
                          "an estimate",
     "reasoning": "median share of the budget spent on reasoning, where the server reports it",
-    "complete": "share of answers that ended on their own (EOS, a stop sequence, a tool call)",
+    "complete": "share of answers that ended on their own (EOS, a stop sequence, a tool call), with its 95% "
+                "interval (Wilson) in brackets",
     "tok/s": "output tokens of all responses over the level's wall time (first sent to last ended)",
     "req/s": "responses over the level's wall time",
     "TTFT p50/p95": "time to first token, median/95th percentile",
@@ -39,6 +40,14 @@ def seconds(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def completion(summary: LevelSummary) -> str:
+    """`25% [9-53]`: the completion rate with its 95% interval, in percent."""
+    if summary.completion_low is None or summary.completion_high is None:
+        return f"{summary.completion_rate:.0%}"
+    return (f"{summary.completion_rate:.0%} [{summary.completion_low * 100:.0f}-"
+            f"{summary.completion_high * 100:.0f}]")
 
 
 def rate(value: float | None) -> str:
@@ -66,7 +75,7 @@ def row(summary: LevelSummary) -> tuple[str, ...]:
         str(s.n),
         f"{'~' if s.tokens_counted else ''}{s.output_tokens_median:g} [{s.output_tokens_q1:g}-{s.output_tokens_q3:g}]",
         "-" if s.reasoning_share_median is None else f"{s.reasoning_share_median:.0%}",
-        f"{s.completion_rate:.0%}",
+        completion(s),
         rate(s.output_tokens_per_s),
         rate(s.requests_per_s),
         f"{seconds(s.ttft_p50_s)}/{seconds(s.ttft_p95_s)}",
