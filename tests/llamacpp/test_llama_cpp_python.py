@@ -31,13 +31,21 @@ async def test_a_stream_interrupted_for_a_queued_request_is_interrupted(python_s
     running = await proxy_for(python_server.url)
     first, second = str(uuid.uuid4()), str(uuid.uuid4())
 
-    async def stream(rid: str, delay: float) -> bytes:
-        await asyncio.sleep(delay)
+    generating = asyncio.Event()
+
+    async def stream(rid: str) -> bytes:
+        if rid == second:  # queue it only once the first has produced text (a timer raced a slow prompt)
+            await asyncio.wait_for(generating.wait(), 30)
         async with aiohttp.ClientSession() as session, session.post(
                 f"{running.proxy_url}/v1/chat/completions", json=BODY, headers={"X-Request-Id": rid}) as resp:
-            return await resp.read()
+            received = b""
+            async for chunk in resp.content.iter_any():
+                received += chunk
+                if b'"content": "' in received.replace(b'"content": ""', b""):
+                    generating.set()
+            return received
 
-    cut, _ = await asyncio.gather(stream(first, 0), stream(second, 0.05))
+    cut, _ = await asyncio.gather(stream(first), stream(second))
     assert cut.endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' not in cut
     record = await record_of(running, first)
     assert (record["stop_reason"], record["finish_reason_raw"], record["status"]) == ("interrupted", None, 200)
