@@ -162,7 +162,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         given = request.query.get("token")
         if request.path == "/" and given is not None and hmac.compare_digest(
                 given.encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")):
-            found = web.HTTPFound("/")  # the token leaves the address bar (and the history) at once
+            found = web.Response(status=302, headers={"Location": "/"})  # the token leaves the address bar
             found.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/")
             return found
         if request.path == "/":
