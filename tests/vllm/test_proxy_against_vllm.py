@@ -261,14 +261,21 @@ async def test_eight_concurrent_answers_on_a_tiny_kv_cache_are_preempted_yet_com
         vllm: VllmServer, proxy_for: Any) -> None:
     """24 blocks of 32 tokens hold three 260-token answers: the other five wait or are recomputed."""
     running = await polled_proxy(proxy_for, vllm)
-    before = await vllm_gauge(vllm, "vllm:num_preemptions_total")
-    async with client_for(running) as client:
-        results = await asyncio.gather(*(stream_chat(running, max_tokens=300, include_usage=True, client=client)
-                                         for _ in range(8)))
-    records = [r for r, _ in results]
-    assert all((r.stop_reason, r.output_tokens) == ("eos", COMPLETION_TOKENS) for r in records)
-    assert await vllm_gauge(vllm, "vllm:num_preemptions_total") > before
-    assert any((r.preemptions_during or 0) > 0 for r in records)
+    # On two cores vLLM's /metrics can stall past the poller's 2 s timeout while it preempts; when
+    # no poll lands between a preemption and the answers' ends, no record can honestly claim it.
+    # So the load runs again (at most three times) until the polls bracket a preemption.
+    for _ in range(3):
+        before = await vllm_gauge(vllm, "vllm:num_preemptions_total")
+        async with client_for(running) as client:
+            results = await asyncio.gather(*(stream_chat(running, max_tokens=300, include_usage=True,
+                                                         client=client) for _ in range(8)))
+        records = [r for r, _ in results]
+        assert all((r.stop_reason, r.output_tokens) == ("eos", COMPLETION_TOKENS) for r in records)
+        assert await vllm_gauge(vllm, "vllm:num_preemptions_total") > before
+        if any((r.preemptions_during or 0) > 0 for r in records):
+            break
+    else:
+        raise AssertionError("three loads preempted, and no record carried a preemption")
     assert all(r.preemptions_scope == "server_wide" for r in records if r.preemptions_during is not None)
     assert max(r.kv_cache_usage_max or 0.0 for r in records) >= 0.5  # sampled every 0.1 s: peaks may fall between
     assert all(r.kv_cache_usage_max is not None for r in records)
