@@ -9,9 +9,8 @@ into the exchange that uses it. `shutdown()` ends the guarded wait at once, what
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Literal
 
 Kind = Literal["total", "idle"]
@@ -33,23 +32,11 @@ class Deadlines:
         self._timeout: asyncio.Timeout | None = None
         self._offset = 0.0  # asyncio timeouts run on loop.time(); our stamps are time.monotonic()
 
-    @contextlib.asynccontextmanager
-    async def guard(self) -> AsyncIterator[None]:
-        if self.fired == "shutdown":
-            raise TimeoutError("the proxy is shutting down")
-        self._offset = asyncio.get_running_loop().time() - time.monotonic()
-        timeout = asyncio.timeout_at(self._at(self.deadline_at) if self.enforce else None)
-        self._timeout = timeout
-        try:
-            async with timeout:
-                yield
-        except TimeoutError:
-            if self.fired is None:
-                passed = self.deadline_at is not None and time.monotonic() >= self.deadline_at - 1e-3
-                self.fired = "total" if passed else "idle"
-            raise
-        finally:
-            self._timeout = None
+    def guard(self) -> _Guard:
+        """The context the guarded waits run in; TimeoutError out of it with `fired` set when a
+        limit of ours ended the wait. A TimeoutError of another origin (aiohttp's connect timeout
+        is one) passes through with `fired` unset."""
+        return _Guard(self)
 
     def _at(self, when: float | None) -> float | None:
         return None if when is None else when + self._offset
@@ -96,3 +83,39 @@ class Deadlines:
         if self.fired == "idle":
             return f"no bytes from the upstream for {self.idle_s:g} s (idle timeout)"
         return f"response exceeded the {self.deadline_s:g} s deadline"
+
+
+class _Guard:
+    """`Deadlines.guard()`: an asyncio timeout rescheduled by `arm`, `disarm` and `shutdown`.
+
+    A plain class rather than a generator-based context manager: it is entered twice per
+    request on the forwarding path."""
+
+    __slots__ = ("_deadlines", "_timeout")
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        self._deadlines = deadlines
+        self._timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        deadlines = self._deadlines
+        if deadlines.fired == "shutdown":
+            raise TimeoutError("the proxy is shutting down")
+        deadlines._offset = asyncio.get_running_loop().time() - time.monotonic()
+        timeout = asyncio.timeout_at(deadlines._at(deadlines.deadline_at) if deadlines.enforce else None)
+        self._timeout = deadlines._timeout = timeout
+        await timeout.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        deadlines, timeout = self._deadlines, self._timeout
+        assert timeout is not None
+        try:
+            await timeout.__aexit__(kind, error, traceback)
+        except TimeoutError:
+            if deadlines.fired is None:
+                passed = deadlines.deadline_at is not None and time.monotonic() >= deadlines.deadline_at - 1e-3
+                deadlines.fired = "total" if passed else "idle"
+            raise
+        finally:
+            deadlines._timeout = None

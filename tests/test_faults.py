@@ -90,6 +90,31 @@ async def test_refused_connection_is_a_json_502_recorded_as_connect_error(make_p
         await upstream.close()
 
 
+async def test_a_connect_that_times_out_is_a_json_504_recorded_as_timeout_not_as_a_deadline(
+        make_proxy: ProxyFactory) -> None:
+    # A listener whose accept queue is full: the kernel drops further SYNs, so a connect hangs.
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        queued = []
+        for _ in range(4):
+            waiting = socket.socket()
+            waiting.setblocking(False)
+            waiting.connect_ex(("127.0.0.1", port))
+            queued.append(waiting)
+        try:
+            proxy = await make_proxy(f"http://127.0.0.1:{port}", connect_timeout_s=0.5)
+            status, body, _, _ = await post(proxy, "healthy", "slow-connect")
+        finally:
+            for waiting in queued:
+                waiting.close()
+    assert status == 504
+    assert body is not None and body["error"]["type"] == "upstream_timeout"
+    record = await record_for(proxy, "slow-connect")
+    assert (record.stop_reason, record.upstream_error, record.deadline_hit) == ("upstream_error", "timeout", "none")
+
+
 async def test_reset_after_accept_is_a_json_502_recorded_as_reset(faulty: FaultyUpstream,
                                                                   make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy(faulty.url)
