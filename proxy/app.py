@@ -60,6 +60,11 @@ def proxy_application(config: ProxyConfig, session: aiohttp.ClientSession, obser
     forwarder = Forwarder(config, session, observers, concurrency, budget)
     app = web.Application(client_max_size=config.request_body_cap_bytes)
     app.router.add_route("*", "/{tail:.*}", forwarder.handle)
+
+    async def close_forwarder(_: web.Application) -> None:
+        await forwarder.close()
+
+    app.on_cleanup.append(close_forwarder)
     return forwarder, app
 
 
@@ -149,6 +154,7 @@ class RunningProxy:
             await asyncio.to_thread(self.history.close)
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.close)
+        await self.forwarder.close()  # (also on its app's cleanup: here for a listener that never started)
         if self._session is not None:
             await self._session.close()
 

@@ -28,7 +28,7 @@ from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
 from proxy.request_body import Outgoing, RequestBody
-from proxy.upstream_client import SendCount, streamed
+from proxy.upstream_client import SENT_AGAIN, SendCount, counted_twin, streamed
 
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
@@ -117,12 +117,17 @@ class Forwarder:
                  concurrency: InFlightTracker, budget: ByteBudget) -> None:
         self.config = config
         self.session = session
+        self.counted = counted_twin(session)  # for the methods aiohttp may send twice
         self.observers = observers
         self.concurrency = concurrency
         self.budget = budget
         self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, budget)
         self.active: set[Deadlines] = set()  # one per exchange in progress: what shutdown() ends
         self.shutting_down = False
+
+    async def close(self) -> None:
+        """Close what the forwarder opened (the pool itself belongs to `session`)."""
+        await self.counted.close()
 
     def refuse_new(self) -> None:
         """From now on, answer every new request 503 `proxy_shutdown` (the proxy is stopping)."""
@@ -166,6 +171,7 @@ class _Exchange:
     def __init__(self, forwarder: Forwarder, request: web.Request, recorder: Recorder,
                  deadlines: Deadlines) -> None:
         self.session = forwarder.session
+        self.counted = forwarder.counted
         self.observers = forwarder.observers
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
@@ -236,11 +242,14 @@ class _Exchange:
         carried it to the server: aiohttp sends an idempotent request again on a fresh connection,
         and a POST never, so a server never generates twice.
         """
+        method = self.request.method
+        if method not in SENT_AGAIN:  # a POST is sent once: no trace to count it
+            return await self.session.request(method, url, headers=headers, data=body, allow_redirects=False,
+                                              skip_auto_headers=SKIP_AUTO_HEADERS)
         count = SendCount()
         try:
-            return await self.session.request(self.request.method, url, headers=headers, data=body,
-                                              allow_redirects=False, skip_auto_headers=SKIP_AUTO_HEADERS,
-                                              trace_request_ctx=count)
+            return await self.counted.request(method, url, headers=headers, data=body, allow_redirects=False,
+                                              skip_auto_headers=SKIP_AUTO_HEADERS, trace_request_ctx=count)
         finally:
             self.recorder.record.upstream_retries = count.retries
 
