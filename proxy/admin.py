@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from proxy.concurrency import CONCURRENCY_BUCKETS
+from proxy.config import parse_duration
 from proxy.history import History
 from proxy.metrics import ProxyMetrics
 from proxy.record import CAUSES, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
@@ -47,15 +48,18 @@ class BadQuery(ValueError):
 
 
 def parse_time(name: str, value: str) -> float:
-    """Unix seconds, or ISO 8601 (`2026-12-03T10:00:00Z`; without a zone: UTC)."""
+    """Unix seconds, ISO 8601 (`2026-12-03T10:00:00Z`; without a zone: UTC), or an age back from
+    now as `diagnose --since` takes it (`90s`, `30m`, `1h`, `7d`, `2w`)."""
     try:
         return float(value)
     except ValueError:
         pass
+    if value[-1:].lower() in "smhdw" and value[:-1].replace(".", "", 1).isdigit():
+        return time.time() - parse_duration(value)
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
-        raise BadQuery(f"{name} must be unix seconds or ISO 8601, got {value[:40]!r}") from None
+        raise BadQuery(f"{name} must be unix seconds, ISO 8601 or an age (1h, 30m, 7d), got {value[:40]!r}") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.timestamp()

@@ -65,6 +65,12 @@ async def test_records_survive_a_restart_and_answer_since_queries(upstream: Scri
         other = await listed(client, second.admin_url, "model=m2&outcome=complete&concurrency=1")
         assert sorted(r["request_id"] for r in other["records"]) == ["h0", "h3", "h6", "h9"]  # type: ignore[union-attr]
         assert (await listed(client, second.admin_url, "until=1000"))["records"] == []
+        iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started - 1))
+        for since in (iso, "1h", "90s"):  # ISO 8601, or an age back from now as diagnose --since takes it
+            assert len((await listed(client, second.admin_url, f"since={since}&limit=50"))["records"]) == 12  # type: ignore[arg-type]
+        assert (await listed(client, second.admin_url, "until=1h"))["records"] == []
+        async with client.get(f"{second.admin_url}/api/requests?since=yesterday") as response:
+            assert response.status == 400 and "unix seconds, ISO 8601 or an age" in await response.text()
         async with client.get(f"{second.admin_url}/api/requests/h4") as response:
             assert response.status == 200 and orjson.loads(await response.read())["stop_reason"] == "eos"
         async with client.get(f"{second.admin_url}/metrics") as response:
