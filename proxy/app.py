@@ -8,8 +8,9 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import structlog
@@ -30,6 +31,7 @@ from proxy.telemetry import Telemetry
 from proxy.tracing import Tracer, TracingUnavailable
 from proxy.upstream_client import upstream_session
 
+T = TypeVar("T")
 _log = structlog.get_logger("llm_diag_proxy")
 # After the grace, the streams still open are ended at once; their handlers then need a moment to
 # write the end to the client and the record to the observers.
@@ -205,15 +207,18 @@ def serve_forever(config: ProxyConfig) -> int:
 
         return serve_workers(config)
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:  # uvloop is not built for every platform
-        runner = asyncio.run
-    try:
-        return int(runner(_serve(config)))
+        return run_loop(_serve(config))
     except KeyboardInterrupt:
         return 0
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to its end on uvloop, or on asyncio's own loop where uvloop is not built."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def _serve(config: ProxyConfig) -> int:

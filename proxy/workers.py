@@ -47,6 +47,7 @@ from proxy.app import (
     open_history,
     open_tracer,
     proxy_application,
+    run_loop,
 )
 from proxy.budget import ByteBudget, shared_budget
 from proxy.concurrency import InFlightTracker, SharedCounts
@@ -119,12 +120,7 @@ def worker_main(args: WorkerArgs) -> None:
     configure_logging(config.log_level, config.log_format)
     structlog.contextvars.bind_contextvars(worker=args.index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the supervisor, which says when
-    try:
-        import uvloop
-
-        uvloop.run(_worker(args))
-    except ImportError:  # uvloop is not built for every platform
-        asyncio.run(_worker(args))
+    run_loop(_worker(args))
 
 
 async def _worker(args: WorkerArgs) -> None:
@@ -341,13 +337,7 @@ def reserve_port(where: HostPort) -> tuple[socket.socket, HostPort]:
 def serve_workers(config: ProxyConfig) -> int:
     """Run the supervisor and its workers until SIGINT/SIGTERM; returns the exit code."""
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return int(runner(_supervise(config)))
+        return run_loop(_supervise(config))
     except KeyboardInterrupt:
         return 0
 
