@@ -261,24 +261,36 @@ async def test_eight_concurrent_answers_on_a_tiny_kv_cache_are_preempted_yet_com
         vllm: VllmServer, proxy_for: Any) -> None:
     """24 blocks of 32 tokens hold three 260-token answers: the other five wait or are recomputed."""
     running = await polled_proxy(proxy_for, vllm)
-    # On two cores vLLM's /metrics can stall past the poller's 2 s timeout while it preempts; when
-    # no poll lands between a preemption and the answers' ends, no record can honestly claim it.
-    # So the load runs again (at most three times) until the polls bracket a preemption.
-    for _ in range(3):
+    # The load runs again (at most five times) until vLLM preempts and the polls bracket it:
+    # - on two cores vLLM's /metrics can stall past the poller's 2 s timeout while it preempts;
+    #   when no poll lands between a preemption and the answers' ends, no record can honestly
+    #   claim it;
+    # - now and then the same load runs several times slower on this machine and vLLM preempts
+    #   nothing (seen: its counter unchanged, all eight answers ending together after 6 s). Then
+    #   no record may claim a preemption either.
+    for _ in range(5):
         before = await vllm_gauge(vllm, "vllm:num_preemptions_total")
         async with client_for(running) as client:
             results = await asyncio.gather(*(stream_chat(running, max_tokens=300, include_usage=True,
                                                          client=client) for _ in range(8)))
         records = [r for r, _ in results]
         assert all((r.stop_reason, r.output_tokens) == ("eos", COMPLETION_TOKENS) for r in records)
-        assert await vllm_gauge(vllm, "vllm:num_preemptions_total") > before
-        if any((r.preemptions_during or 0) > 0 for r in records):
+        claimed = any((r.preemptions_during or 0) > 0 for r in records)
+        if await vllm_gauge(vllm, "vllm:num_preemptions_total") == before:
+            assert not claimed, "a record claims a preemption vLLM never counted"
+            continue
+        if claimed:
             break
     else:
-        raise AssertionError("three loads preempted, and no record carried a preemption")
+        raise AssertionError("in five loads no record carried a preemption vLLM counted")
     assert all(r.preemptions_scope == "server_wide" for r in records if r.preemptions_during is not None)
     assert max(r.kv_cache_usage_max or 0.0 for r in records) >= 0.5  # sampled every 0.1 s: peaks may fall between
-    assert all(r.kv_cache_usage_max is not None for r in records)
+    # A record carries the server's figures when a poll landed inside its life; when /metrics
+    # stalled through the whole of it, it carries none rather than another moment's.
+    ring = running._telemetry.upstream_ring
+    for r in records:
+        polled = ring.window(r.started_at, r.started_at + r.duration_s, max_age=0.0)
+        assert (r.kv_cache_usage_max is not None) == any(s.kv_cache_usage is not None for _, s in polled)
     assert max(r.concurrency_peak for r in records) == 8
 
 
