@@ -7,6 +7,12 @@ close one while it sits in the pool: before a pooled connection carries a reques
 looks whether the server has closed it, and opens a fresh one instead, so a request is never
 written into a closed socket and never has to be sent twice.
 
+Nor is the pool's clock the server's: aiohttp dates a connection from when it released it, when
+the response's end had been read out of its buffers, which on a busy loop or behind a slow client
+can be seconds after the server sent it; the server's keep-alive timer runs from its last byte. So
+a pooled connection is also passed over when the kernel says the server's last byte came more
+than POOLED_IDLE_S ago (TCP_INFO's tcpi_last_data_recv, on Linux).
+
 That look cannot see a close still on its way. llama-server closes its connection after every
 streamed response despite `Keep-Alive`, a few milliseconds after the last byte: a request taken
 from the pool in between (the next one of a client that asks right after an answer) would be
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 import inspect
 import select
+import socket
+import struct
 import time
 import weakref
 from types import SimpleNamespace
@@ -46,6 +54,37 @@ def peer_closed(connection: aiohttp.connector.Connection) -> bool:
     transport = protocol.transport if protocol is not None else None
     sock = transport.get_extra_info("socket") if transport is not None else None
     return sock is not None and readable(sock.fileno())
+
+
+# struct tcp_info (linux/tcp.h): tcpi_last_data_recv, milliseconds since the kernel last received
+# data on the socket, is the eighth __u32 after the eight one-byte fields.
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_LAST_DATA_RECV = struct.Struct("=I")
+_LAST_DATA_RECV_AT = 52
+
+
+def quiet_for(connection: aiohttp.connector.Connection) -> float | None:
+    """Seconds since the server's last byte reached this machine's kernel on the connection, or
+    None where the kernel does not say (not Linux, no socket).
+
+    The pool's own clock starts when aiohttp releases a connection, which it does when the
+    response's end has been read out of its buffers: on a busy event loop, or behind a slow
+    client, that can be seconds after the server sent it. The server's keep-alive timer (uvicorn's
+    5 s in vLLM) started at its last byte, and so does this figure."""
+    if _TCP_INFO is None:
+        return None
+    protocol = connection.protocol
+    transport = protocol.transport if protocol is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV_AT + 4)
+    except OSError:
+        return None
+    if len(info) < _LAST_DATA_RECV_AT + 4:
+        return None
+    return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0]) / 1000.0
 
 
 def readable(fd: int) -> bool:
@@ -83,9 +122,11 @@ class LivenessCheckedConnector(aiohttp.TCPConnector):
             while True:
                 self._take_resting(key, resting)
                 connection = await super()._get(key, traces)
-                if connection is None or not peer_closed(connection):
-                    if connection is not None:
-                        self._streamed.discard(connection.protocol)
+                if connection is None:
+                    return None
+                quiet = quiet_for(connection)
+                if (quiet is None or quiet <= POOLED_IDLE_S) and not peer_closed(connection):
+                    self._streamed.discard(connection.protocol)
                     return connection
                 LivenessCheckedConnector.stale_closed += 1
                 connection.close()
