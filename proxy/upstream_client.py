@@ -44,15 +44,20 @@ POOLED_IDLE_S = 3.0
 SETTLE_S = 0.25
 
 
+def _socket_of(connection: aiohttp.connector.Connection) -> Any:
+    """The connection's socket, or None when it has none (closed)."""
+    protocol = connection.protocol
+    transport = protocol.transport if protocol is not None else None
+    return transport.get_extra_info("socket") if transport is not None else None
+
+
 def peer_closed(connection: aiohttp.connector.Connection) -> bool:
     """True when the server has closed (or written on) an idle connection: its socket is readable.
 
     An idle HTTP/1.1 connection has nothing to read; readable means a FIN, a reset, or bytes that
     belong to no request. One poll(2) with no wait, on the connection's own descriptor.
     """
-    protocol = connection.protocol
-    transport = protocol.transport if protocol is not None else None
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = _socket_of(connection)
     return sock is not None and readable(sock.fileno())
 
 
@@ -71,11 +76,7 @@ def quiet_for(connection: aiohttp.connector.Connection) -> float | None:
     response's end has been read out of its buffers: on a busy event loop, or behind a slow
     client, that can be seconds after the server sent it. The server's keep-alive timer (uvicorn's
     5 s in vLLM) started at its last byte, and so does this figure."""
-    if _TCP_INFO is None:
-        return None
-    protocol = connection.protocol
-    transport = protocol.transport if protocol is not None else None
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = _socket_of(connection) if _TCP_INFO is not None else None
     if sock is None:
         return None
     try:
