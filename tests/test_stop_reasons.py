@@ -111,6 +111,18 @@ async def test_vllm_abort_is_an_upstream_error(upstream: ScriptedUpstream, proxy
     assert record.stop_reason == "upstream_error" and record.upstream_error == "abort"
 
 
+async def test_vllm_abort_before_the_first_token_is_an_interruption(upstream: ScriptedUpstream, proxy: RunningProxy,
+                                                                    client: aiohttp.ClientSession) -> None:
+    """vLLM 0.32 aborted before its first token: the role chunk, then [DONE], and no finish_reason."""
+    role = (b'data: {"id":"chatcmpl-2a9d","object":"chat.completion.chunk","created":1796407287,"model":"tiny",'
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+            b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n')
+    _, data, record = await exchange(client, proxy, Script([role, DONE]), upstream)
+    assert data == role + DONE
+    assert (record.stop_reason, record.finish_reason_raw, record.output_tokens) == ("interrupted", None, 0)
+    assert record.truncated
+
+
 async def test_vllm_repetition_is_its_own_stop_and_a_cut(upstream: ScriptedUpstream, proxy: RunningProxy,
                                                           client: aiohttp.ClientSession) -> None:
     _, _, record = await exchange(client, proxy, Script(openai_stream(20, "repetition")), upstream)

@@ -14,8 +14,9 @@ async def test_preemption_without_truncation_is_no_load_effect_naming_the_preemp
     # A record claims a preemption only when two polls of vLLM's /metrics bracket it inside the
     # request's life. On two busy cores /metrics can stall past the poller's timeout while vLLM
     # preempts (or the level's answers come from its prefix cache and need no preemption), so
-    # the sweep runs again, at most three times, until a record at concurrency 8 claims one.
-    for _ in range(3):
+    # the sweep runs again, at most four times, until a record at concurrency 8 claims one. (Seen:
+    # a sweep whose level-8 polls all stalled, every record there without server figures.)
+    for _ in range(4):
         outcome, printed = await sweep(vllm, SHORT_PROMPT, levels=(1, 2, 4, 8))
         assert {s.record.stop_reason for s in outcome.samples} == {"eos"}
         assert all(s.record_source == "proxy" for s in outcome.samples)
@@ -23,7 +24,7 @@ async def test_preemption_without_truncation_is_no_load_effect_naming_the_preemp
         if any((r.preemptions_during or 0) > 0 for r in top):
             break
     else:
-        raise AssertionError("no record at concurrency 8 saw a preemption in three sweeps")
+        raise AssertionError("no record at concurrency 8 saw a preemption in four sweeps")
     verdict = outcome.verdict
     assert verdict.kind == "no_load_effect"
     assert any("preempted" in line for line in verdict.evidence), verdict.evidence
