@@ -76,8 +76,12 @@ def quiet_for(connection: aiohttp.connector.Connection) -> float | None:
     response's end has been read out of its buffers: on a busy event loop, or behind a slow
     client, that can be seconds after the server sent it. The server's keep-alive timer (uvicorn's
     5 s in vLLM) started at its last byte, and so does this figure."""
-    sock = _socket_of(connection) if _TCP_INFO is not None else None
-    if sock is None:
+    sock = _socket_of(connection)
+    return None if sock is None else _quiet(sock)
+
+
+def _quiet(sock: Any) -> float | None:
+    if _TCP_INFO is None:
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV_AT + 4)
@@ -86,6 +90,16 @@ def quiet_for(connection: aiohttp.connector.Connection) -> float | None:
     if len(info) < _LAST_DATA_RECV_AT + 4:
         return None
     return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0]) / 1000.0
+
+
+def _reusable(connection: aiohttp.connector.Connection) -> bool:
+    """Neither closed by the server (`peer_closed`) nor quiet too long (`quiet_for`): one lookup
+    of the socket for both."""
+    sock = _socket_of(connection)
+    if sock is None:
+        return True  # no transport: aiohttp's own checks have it
+    quiet = _quiet(sock)
+    return (quiet is None or quiet <= POOLED_IDLE_S) and not readable(sock.fileno())
 
 
 def readable(fd: int) -> bool:
@@ -125,8 +139,7 @@ class LivenessCheckedConnector(aiohttp.TCPConnector):
                 connection = await super()._get(key, traces)
                 if connection is None:
                     return None
-                quiet = quiet_for(connection)
-                if (quiet is None or quiet <= POOLED_IDLE_S) and not peer_closed(connection):
+                if _reusable(connection):
                     self._streamed.discard(connection.protocol)
                     return connection
                 LivenessCheckedConnector.stale_closed += 1
