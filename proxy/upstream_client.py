@@ -51,16 +51,6 @@ def _socket_of(connection: aiohttp.connector.Connection) -> Any:
     return transport.get_extra_info("socket") if transport is not None else None
 
 
-def peer_closed(connection: aiohttp.connector.Connection) -> bool:
-    """True when the server has closed (or written on) an idle connection: its socket is readable.
-
-    An idle HTTP/1.1 connection has nothing to read; readable means a FIN, a reset, or bytes that
-    belong to no request. One poll(2) with no wait, on the connection's own descriptor.
-    """
-    sock = _socket_of(connection)
-    return sock is not None and readable(sock.fileno())
-
-
 # struct tcp_info (linux/tcp.h): tcpi_last_data_recv, milliseconds since the kernel last received
 # data on the socket, is the eighth __u32 after the eight one-byte fields.
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
@@ -93,8 +83,11 @@ def _quiet(sock: Any) -> float | None:
 
 
 def _reusable(connection: aiohttp.connector.Connection) -> bool:
-    """Neither closed by the server (`peer_closed`) nor quiet too long (`quiet_for`): one lookup
-    of the socket for both."""
+    """Neither closed by the server nor quiet too long (`quiet_for`), from one lookup of the socket.
+
+    Closed: an idle HTTP/1.1 connection has nothing to read, so a readable socket means a FIN, a
+    reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
+    """
     sock = _socket_of(connection)
     if sock is None:
         return True  # no transport: aiohttp's own checks have it
