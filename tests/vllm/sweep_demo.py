@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from proxy.app import start_proxy
-from proxy.config import HostPort, ProxyConfig
 from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
 from tests.vllm.conftest import EOS_AFTER
-from tests.vllm.vllm_server import SERVED_NAME, VllmServer, make_model
+from tests.vllm.vllm_server import SERVED_NAME, VllmServer, free_port, make_model
 
 MAX_TOKENS = 300  # more than the 251 an answer takes: a length stop is the server's doing
 SHORT_PROMPT = "hello"
@@ -33,20 +34,45 @@ SCENARIOS = (
 
 
 async def sweep(server: VllmServer, prompt: str, levels: tuple[int, ...], repeats: int = 2) -> tuple[SweepOutcome, str]:
-    """One sweep through a fresh proxy that polls vLLM's /metrics every 0.1 s."""
-    running = await start_proxy(
-        ProxyConfig(upstream=server.url, listen=HostPort("127.0.0.1", 0), admin_listen=HostPort("127.0.0.1", 0),
-                    gpu_poll_interval_s=0, upstream_metrics="vllm", upstream_metrics_interval_s=0.1),
-        log_records=False)
+    """One sweep through a fresh proxy that polls vLLM's /metrics every 0.1 s.
+
+    The proxy runs as deployed, `llm-diag-proxy serve` in its own process, not in the sweep's
+    event loop: the sweep's clients would slow the proxy's loop, which a user's do not.
+    """
+    port, admin = free_port(), free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", server.url, "--listen", f"127.0.0.1:{port}",
+         "--admin-listen", f"127.0.0.1:{admin}", "--gpu-poll-interval", "0", "--upstream-metrics", "vllm",
+         "--upstream-metrics-interval", "0.1", "--no-log-records"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        plan = SweepPlan(target=running.proxy_url, admin=running.admin_url, admin_token=None, levels=levels,
-                         repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
-                         model=SERVED_NAME, dialect="openai", timeout_s=120.0, warmup=3)
+        await listening(port)
+        await listening(admin)
+        plan = SweepPlan(target=f"http://127.0.0.1:{port}", admin=f"http://127.0.0.1:{admin}", admin_token=None,
+                         levels=levels, repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42,
+                         temperature=0.0, model=SERVED_NAME, dialect="openai", timeout_s=120.0, warmup=3)
         printed = io.StringIO()
         outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
         return outcome, printed.getvalue()
     finally:
-        await running.close()
+        proxy.terminate()
+        proxy.wait(timeout=30)
+
+
+async def listening(port: int, timeout_s: float = 30.0) -> None:
+    """Until something accepts on `port`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy never listened on {port}") from None
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
 
 
 async def main_async() -> None:

@@ -16,8 +16,15 @@ async def test_preemption_without_truncation_is_no_load_effect_naming_the_preemp
     # preempts (or the level's answers come from its prefix cache and need no preemption), so
     # the sweep runs again, at most four times, until a record at concurrency 8 claims one. (Seen:
     # a sweep whose level-8 polls all stalled, every record there without server figures.)
+    # A sweep where vLLM closed a connection with a request on it, unanswered, goes again too: the
+    # record says so (502 `reset`), and it is no cut of an answer (seen in about one sweep
+    # in four, at level 8; see the README's Reliability section).
     for _ in range(4):
         outcome, printed = await sweep(vllm, SHORT_PROMPT, levels=(1, 2, 4, 8))
+        unanswered = [s.record for s in outcome.samples if s.record.stop_reason == "upstream_error"]
+        assert all((r.status, r.upstream_error) == (502, "reset") for r in unanswered)
+        if unanswered:
+            continue
         assert {s.record.stop_reason for s in outcome.samples} == {"eos"}
         assert all(s.record_source == "proxy" for s in outcome.samples)
         top = [s.record for s in outcome.samples if s.level == 8]
