@@ -4,22 +4,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 
+from tests.support.proxies import Served, start_served
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream
 
@@ -28,59 +26,12 @@ CHAT = {"model": "m", "stream": True, "max_tokens": 100, "messages": [{"role": "
 STREAM = openai_stream(20)  # 20 tokens, one chunk each
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen[bytes]
-    proxy_url: str
-    admin_url: str
-    log: Path
-
-    def children(self) -> list[int]:
-        """The worker processes' pids (multiprocessing's resource tracker is a child too: not counted)."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, IndexError):
-                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    if parent == self.process.pid and b"spawn_main" in (entry / "cmdline").read_bytes():
-                        found.append(int(entry.name))
-        return found
-
-    def lines(self) -> list[dict[str, object]]:
-        return [orjson.loads(line) for line in self.log.read_bytes().splitlines() if line.startswith(b"{")]
-
-
-async def start_served(upstream_url: str, tmp_path: Path, *extra: str) -> Served:
-    port, admin = free_port(), free_port()
-    log = tmp_path / "proxy.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--workers", "2", "--upstream", upstream_url,
-         "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}", "--gpu-poll-interval", "0",
-         "--upstream-metrics", "off", "--log-format", "json", *extra],
-        cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    served = Served(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log)
-    deadline = time.monotonic() + 60
-    while not any(line.get("event") == "listening" for line in served.lines()):
-        assert process.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        await asyncio.sleep(0.1)
-    return served
-
-
 @pytest.fixture
 async def served(upstream: ScriptedUpstream, tmp_path: Path) -> AsyncIterator[Served]:
     upstream.default = Script(chunks=STREAM, delay=0.05)  # 1 s per answer
-    running = await start_served(upstream.url, tmp_path)
+    running = await start_served(upstream.url, tmp_path, workers=2)
     yield running
-    if running.process.poll() is None:
-        running.process.send_signal(signal.SIGTERM)
-        running.process.wait(timeout=40)
+    running.stop()
 
 
 async def stream(url: str, request_id: str) -> tuple[int, bytes]:
@@ -149,7 +100,8 @@ async def test_a_worker_that_dies_is_started_again_and_the_port_keeps_serving(se
 
 async def test_deadlines_are_enforced_inside_each_worker(upstream: ScriptedUpstream, tmp_path: Path) -> None:
     upstream.default = Script(chunks=STREAM, delay=0.05)
-    running = await start_served(upstream.url, tmp_path, "--deadline", "0.4", "--deadline-mode", "enforce")
+    running = await start_served(upstream.url, tmp_path, "--deadline", "0.4", "--deadline-mode", "enforce",
+                                 workers=2)
     try:
         results = await asyncio.gather(*(stream(running.proxy_url, f"d{i}") for i in range(6)))
         assert all(status == 200 and len(body) < len(b"".join(STREAM)) for status, body in results)

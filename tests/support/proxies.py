@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from proxy.app import RunningProxy
 from proxy.config import HostPort, ProxyConfig
@@ -30,3 +39,63 @@ async def record_for(proxy: RunningProxy, request_id: str) -> ResponseRecord:
             return record
         await asyncio.sleep(0.01)
     raise AssertionError(f"no record for {request_id}")
+
+
+# --- the proxy as a user runs it: `serve` in a process of its own ------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[bytes]
+    proxy_url: str
+    admin_url: str
+    log: Path
+
+    def children(self) -> list[int]:
+        """The worker processes' pids (multiprocessing's resource tracker is a child too: not counted)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if parent == self.process.pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                        found.append(int(entry.name))
+        return found
+
+    def lines(self) -> list[dict[str, object]]:
+        return [orjson.loads(line) for line in self.log.read_bytes().splitlines() if line.startswith(b"{")]
+
+    def stop(self) -> None:
+        """SIGTERM, as a service manager stops it, and wait for the process to end."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=40)
+
+
+async def start_served(upstream_url: str, tmp_path: Path, *extra: str, workers: int = 1) -> Served:
+    """`llm-diag-proxy serve` in a process of its own, as a user runs it; back once it listens.
+
+    Telemetry off and a JSON log in `tmp_path`; `extra` flags come last, so they win.
+    """
+    port, admin = free_port(), free_port()
+    log = tmp_path / "proxy.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--workers", str(workers), "--upstream", upstream_url,
+         "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}", "--gpu-poll-interval", "0",
+         "--upstream-metrics", "off", "--log-format", "json", *extra],
+        cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    served = Served(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log)
+    deadline = time.monotonic() + 60
+    while not any(line.get("event") == "listening" for line in served.lines()):
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        await asyncio.sleep(0.1)
+    return served

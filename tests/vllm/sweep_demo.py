@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import io
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
+from tests.support.proxies import start_served
 from tests.vllm.conftest import EOS_AFTER
-from tests.vllm.vllm_server import SERVED_NAME, VllmServer, free_port, make_model
+from tests.vllm.vllm_server import SERVED_NAME, VllmServer, make_model
 
 MAX_TOKENS = 300  # more than the 251 an answer takes: a length stop is the server's doing
 SHORT_PROMPT = "hello"
@@ -39,40 +37,18 @@ async def sweep(server: VllmServer, prompt: str, levels: tuple[int, ...], repeat
     The proxy runs as deployed, `llm-diag-proxy serve` in its own process, not in the sweep's
     event loop: the sweep's clients would slow the proxy's loop, which a user's do not.
     """
-    port, admin = free_port(), free_port()
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", server.url, "--listen", f"127.0.0.1:{port}",
-         "--admin-listen", f"127.0.0.1:{admin}", "--gpu-poll-interval", "0", "--upstream-metrics", "vllm",
-         "--upstream-metrics-interval", "0.1", "--no-log-records"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        await listening(port)
-        await listening(admin)
-        plan = SweepPlan(target=f"http://127.0.0.1:{port}", admin=f"http://127.0.0.1:{admin}", admin_token=None,
-                         levels=levels, repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42,
-                         temperature=0.0, model=SERVED_NAME, dialect="openai", timeout_s=120.0, warmup=3)
-        printed = io.StringIO()
-        outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
-        return outcome, printed.getvalue()
-    finally:
-        proxy.terminate()
-        proxy.wait(timeout=30)
-
-
-async def listening(port: int, timeout_s: float = 30.0) -> None:
-    """Until something accepts on `port`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    with tempfile.TemporaryDirectory() as tmp:
+        served = await start_served(server.url, Path(tmp), "--upstream-metrics", "vllm",
+                                    "--upstream-metrics-interval", "0.1", "--no-log-records")
         try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy never listened on {port}") from None
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        await writer.wait_closed()
-        return
+            plan = SweepPlan(target=served.proxy_url, admin=served.admin_url, admin_token=None, levels=levels,
+                             repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
+                             model=SERVED_NAME, dialect="openai", timeout_s=120.0, warmup=3)
+            printed = io.StringIO()
+            outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
+            return outcome, printed.getvalue()
+        finally:
+            served.stop()
 
 
 async def main_async() -> None:
