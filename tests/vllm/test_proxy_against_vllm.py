@@ -9,7 +9,6 @@ without a usage chunk can only be counted from below.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
@@ -215,13 +214,16 @@ async def test_a_budget_over_the_context_is_a_400_recorded_as_an_http_error(vllm
 LONGEST_ANSWER = {"max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
 
 
-async def test_a_client_leaving_mid_stream_is_recorded_and_frees_vllms_request(vllm: VllmServer,
-                                                                                proxy_for: Any) -> None:
-    running = await proxy_for(vllm.url)
+async def leave_mid_stream(running: Any) -> Any:
+    """The record of a streamed answer whose client left after a few chunks.
+
+    vLLM sometimes sends an answer whole at once; the client then read an answer, not a cut,
+    and the stream goes again, up to five times.
+    """
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "stream": True,
             **LONGEST_ANSWER, **GREEDY}
     async with aiohttp.ClientSession() as session:
-        for _ in range(5):  # until the client leaves before the whole answer reached the proxy
+        for _ in range(5):
             rid = new_id()
             response = await session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
                                           headers={"X-Request-Id": rid})
@@ -233,10 +235,15 @@ async def test_a_client_leaving_mid_stream_is_recorded_and_frees_vllms_request(v
                 got += more
             response.close()
             record = await record_for(running, rid)
-            if record.stop_reason == "length":  # it had all come: the client read an answer, not a cut
-                assert not record.client_disconnected
-                continue
-            break
+            if record.stop_reason != "length":
+                return record
+            assert not record.client_disconnected  # it had all come before the client left
+    return record
+
+
+async def test_a_client_leaving_mid_stream_is_recorded_and_frees_vllms_request(vllm: VllmServer,
+                                                                                proxy_for: Any) -> None:
+    record = await leave_mid_stream(await proxy_for(vllm.url))
     assert (record.stop_reason, record.client_disconnected, record.disconnect_phase) == (
         "client_disconnect", True, "mid_stream")
 
@@ -414,18 +421,10 @@ async def test_vllms_own_metrics_pass_through_and_the_poller_reads_their_real_na
 
 
 async def test_vllm_does_not_count_aborts_the_proxy_does(vllm: VllmServer, proxy_for: Any) -> None:
-    """Neither a client disconnect nor a server abort moves vLLM's finished_reason="abort" counter."""
+    """A client leaving does not move vLLM's finished_reason="abort" counter; the proxy records it."""
     before = await vllm_gauge(vllm, "vllm:request_success_total", 'finished_reason="abort"')
-    running = await proxy_for(vllm.url)
-    rid = new_id()
-    body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}],
-                       "max_tokens": 300, "stream": True}).encode()
-    async with aiohttp.ClientSession() as session:
-        response = await session.post(f"{running.proxy_url}/v1/chat/completions", data=body,
-                                      headers={"X-Request-Id": rid, "Content-Type": "application/json"})
-        await response.content.readany()
-        response.close()
-    assert (await record_for(running, rid)).stop_reason == "client_disconnect"
+    record = await leave_mid_stream(await proxy_for(vllm.url))
+    assert record.stop_reason == "client_disconnect"
     await asyncio.sleep(0.5)
     after = await vllm_gauge(vllm, "vllm:request_success_total", 'finished_reason="abort"')
     assert after == before
