@@ -218,12 +218,12 @@ async def leave_mid_stream(running: Any) -> Any:
     """The record of a streamed answer whose client left after a few chunks.
 
     vLLM sometimes sends an answer whole at once; the client then read an answer, not a cut,
-    and the stream goes again, up to five times.
+    and the stream goes again, up to ten times.
     """
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "stream": True,
             **LONGEST_ANSWER, **GREEDY}
     async with aiohttp.ClientSession() as session:
-        for _ in range(5):
+        for _ in range(10):
             rid = new_id()
             response = await session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
                                           headers={"X-Request-Id": rid})
