@@ -269,11 +269,11 @@ async def test_a_server_side_abort_is_recorded_as_the_wire_shows_it(vllm: VllmSe
     - Mid-answer: a last chunk with finish_reason "abort", an upstream_error.
     - Before the first token: the role chunk, then [DONE], no finish_reason: an interruption.
 
-    The engine runs ahead of the API server's stream, so by the first chunk the client reads the
-    engine may have generated the whole answer, and an abort then finds nothing. So the answer is
-    the longest the context allows, and the aborts
-    go out every 20 ms, from the response's head (odd tries) or its first chunk (even tries),
-    until the answer ends. Every record must say what the wire said, and some abort must land.
+    vLLM sends a stream's head with its first output, and its engine can run so far ahead of its
+    API server that the head comes with the whole answer (seen: eight answers in a row). So the
+    aborts go out every 20 ms from when the request is sent, on the longest answer the context
+    allows, until the answer ends. Every record must say what the wire said, and some abort must
+    land.
     """
     running = await proxy_for(vllm.url)
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "stream": True,
@@ -289,16 +289,15 @@ async def test_a_server_side_abort_is_recorded_as_the_wire_shows_it(vllm: VllmSe
 
     seen: set[str] = set()
     async with aiohttp.ClientSession() as session:
-        for attempt in range(8):
+        for _ in range(8):
             rid = new_id()
-            async with session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
-                                    headers={"X-Request-Id": rid}) as response:
-                received = b"" if attempt % 2 == 0 else await response.content.readany()
-                aborting = asyncio.create_task(abort_until_cancelled(session, rid))
-                try:
-                    received += await response.read()
-                finally:
-                    aborting.cancel()
+            aborting = asyncio.create_task(abort_until_cancelled(session, rid))
+            try:
+                async with session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
+                                        headers={"X-Request-Id": rid}) as response:
+                    received = await response.read()
+            finally:
+                aborting.cancel()
             record = await record_for(running, rid)
             expected = what_the_wire_says(received)
             assert (record.stop_reason, record.upstream_error, record.finish_reason_raw) == expected
