@@ -207,7 +207,8 @@ CAUSE_WORDS: dict[str, str] = {
     "upstream_error:context_exhausted": "the KV cache / context ran out (a pool the requests share)",
     "upstream_error:exceeds_context": "the request does not fit the context one request gets",
     "interrupted": "the server interrupted running streams (ended without a final event), as "
-                   "llama-cpp-python's server does to one when another request queues",
+                   "llama-cpp-python's server does to one when another request queues, and vLLM to a "
+                   "request aborted before its first token",
     "upstream_disconnect": "the upstream connection broke mid-answer",
     "upstream_error": "the server failed the request (see the error kinds)",
     "repetition": "the server cut answers it judged repeating",
@@ -226,7 +227,8 @@ CAUSE_ADVICE: dict[str, str] = {
                                         "each slot a fixed share (no --kv-unified), or lower the concurrency",
     "upstream_error:exceeds_context": "shorten the prompts, or raise the context one request gets",
     "interrupted": "the server ends a running stream when another request queues (llama-cpp-python's "
-                   "interrupt_requests): turn that off (--interrupt_requests false) or serve one at a time",
+                   "interrupt_requests): turn that off (--interrupt_requests false) or serve one at a time; "
+                   "with vLLM, find what aborts requests (its abort endpoint, a gateway's timeout)",
 }
 
 
