@@ -231,7 +231,7 @@ async def test_a_budget_over_the_context_is_a_400_recorded_as_an_http_error(vllm
 LONGEST_ANSWER = {"max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
 
 
-async def leave_mid_stream(running: Any) -> Any:
+async def leave_mid_stream(running: Any) -> ResponseRecord:
     """The record of a streamed answer whose client left after a few chunks.
 
     vLLM sometimes sends an answer whole at once; the client then read an answer, not a cut,
