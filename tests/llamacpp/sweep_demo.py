@@ -12,18 +12,17 @@ Run after `bash tools/build_llama_server.sh`: `python -m tests.llamacpp.sweep_de
 from __future__ import annotations
 
 import asyncio
-import io
 import tempfile
 from pathlib import Path
 
 from proxy.app import start_proxy
 from proxy.config import HostPort, ProxyConfig
-from proxy.sweep.cli import SweepOutcome, execute
-from proxy.sweep.runner import SweepPlan
+from proxy.sweep.cli import SweepOutcome
 from tests.llamacpp import llama_cpp_python_server
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, UNIFIED_PROMPT
 from tests.llamacpp.llama_cpp_python_server import LlamaCppPythonServer
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
+from tests.support.sweeps import sweep_through
 
 LEVELS = (1, 2, 4)
 MAX_TOKENS = 200  # more than the 41 an answer takes: every cut is the server's
@@ -44,12 +43,8 @@ async def sweep(server: LlamaServer | LlamaCppPythonServer, prompt: str, levels:
                     admin_listen=HostPort("127.0.0.1", 0), upstream_metrics="off"),
         log_records=False)
     try:
-        plan = SweepPlan(target=running.proxy_url, admin=running.admin_url, admin_token=None, levels=levels,
-                         repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
-                         model=ALIAS, dialect="openai", timeout_s=60.0, warmup=1)
-        printed = io.StringIO()
-        outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
-        return outcome, printed.getvalue()
+        return await sweep_through(running.proxy_url, running.admin_url, prompt=prompt, levels=levels,
+                                   repeats=repeats, model=ALIAS, max_tokens=MAX_TOKENS, timeout_s=60.0, warmup=1)
     finally:
         await running.close()
 

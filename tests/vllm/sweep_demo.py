@@ -12,13 +12,12 @@ Run after `bash tools/setup_vllm_cpu.sh`: `python -m tests.vllm.sweep_demo`.
 from __future__ import annotations
 
 import asyncio
-import io
 import tempfile
 from pathlib import Path
 
-from proxy.sweep.cli import SweepOutcome, execute
-from proxy.sweep.runner import SweepPlan
+from proxy.sweep.cli import SweepOutcome
 from tests.support.proxies import start_served
+from tests.support.sweeps import sweep_through
 from tests.vllm.conftest import EOS_AFTER
 from tests.vllm.vllm_server import SERVED_NAME, VllmServer, make_model
 
@@ -41,12 +40,9 @@ async def sweep(server: VllmServer, prompt: str, levels: tuple[int, ...], repeat
         served = await start_served(server.url, Path(tmp), "--upstream-metrics", "vllm",
                                     "--upstream-metrics-interval", "0.1", "--no-log-records")
         try:
-            plan = SweepPlan(target=served.proxy_url, admin=served.admin_url, admin_token=None, levels=levels,
-                             repeats=repeats, prompt=prompt, max_tokens=MAX_TOKENS, seed=42, temperature=0.0,
-                             model=SERVED_NAME, dialect="openai", timeout_s=120.0, warmup=3)
-            printed = io.StringIO()
-            outcome = await execute(plan, out_dir=None, report_path=None, progress=False, stdout=printed)
-            return outcome, printed.getvalue()
+            return await sweep_through(served.proxy_url, served.admin_url, prompt=prompt, levels=levels,
+                                       repeats=repeats, model=SERVED_NAME, max_tokens=MAX_TOKENS, timeout_s=120.0,
+                                       warmup=3)
         finally:
             served.stop()
 
