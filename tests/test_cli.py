@@ -12,12 +12,7 @@ import urllib.request
 import pytest
 
 from proxy.cli import main
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.ports import free_port
 
 
 @pytest.mark.parametrize("argv", [

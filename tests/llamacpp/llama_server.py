@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LCP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp tools/build_llama_server.sh builds
@@ -23,13 +24,6 @@ ALIAS = "tiny"  # the model name the server reports (else it reports the .gguf p
 
 def binary_available() -> bool:
     return BINARY.is_file() and os.access(BINARY, os.X_OK)
-
-
-def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago (llama-server cannot report port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

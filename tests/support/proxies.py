@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import orjson
 from proxy.app import RunningProxy
 from proxy.config import HostPort, ProxyConfig
 from proxy.record import ResponseRecord
+from tests.support.ports import free_port
 
 LOOPBACK_ANY = HostPort("127.0.0.1", 0)
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
@@ -44,12 +44,6 @@ async def record_for(proxy: RunningProxy, request_id: str) -> ResponseRecord:
 # --- the proxy as a user runs it: `serve` in a process of its own ------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

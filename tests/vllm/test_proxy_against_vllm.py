@@ -92,6 +92,7 @@ async def whole_or_unanswered(running: Any, client: openai.AsyncOpenAI, max_toke
     except openai.APIStatusError as exc:
         record = await record_for(running, rid)
         assert (exc.status_code, record.status, record.upstream_error) == (502, 502, "reset"), exc
+        return record
     return await record_for(running, rid)
 
 

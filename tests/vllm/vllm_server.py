@@ -11,13 +11,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 VLLM_VERSION = "0.32.0"
 CACHE_ROOT = Path(os.environ.get("LLM_DIAG_CACHE") or Path.home() / ".cache" / "llm-diag-proxy")
@@ -36,12 +37,6 @@ MAX_NUM_SEQS = 8
 
 def available() -> bool:
     return PYTHON.is_file() and (PYTHON.parent.parent / ".installed").is_file()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def make_model(out: Path, eos_after: int | None) -> Path:
