@@ -22,7 +22,7 @@ from proxy.concurrency import InFlightTracker
 from proxy.config import ProxyConfig
 from proxy.forward import Forwarder
 from proxy.history import History
-from proxy.listeners import GuardedRunner, listen
+from proxy.listeners import listen
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import ObserverChain
@@ -56,18 +56,11 @@ async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-def proxy_application(config: ProxyConfig, session: aiohttp.ClientSession, observers: ObserverChain,
-                      concurrency: InFlightTracker, budget: ByteBudget) -> tuple[Forwarder, web.Application]:
-    """The forwarding path and the application that routes every request to it."""
-    forwarder = Forwarder(config, session, observers, concurrency, budget)
-    app = web.Application(client_max_size=config.request_body_cap_bytes)
-    app.router.add_route("*", "/{tail:.*}", forwarder.handle)
-
-    async def close_forwarder(_: web.Application) -> None:
-        await forwarder.close()
-
-    app.on_cleanup.append(close_forwarder)
-    return forwarder, app
+def proxy_application(config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+                      budget: ByteBudget) -> Forwarder:
+    """The forwarding path: its `handle` answers every request on the proxy port (see `listen`).
+    Its owner closes it (`Forwarder.close`: its pool of upstream connections)."""
+    return Forwarder(config, observers, concurrency, budget)
 
 
 def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
@@ -122,7 +115,7 @@ class RunningProxy:
     concurrency: InFlightTracker
     observers: ObserverChain
     forwarder: Forwarder
-    _runners: list[GuardedRunner] = field(default_factory=list)
+    _runners: list[web.BaseRunner] = field(default_factory=list)
     _proxy_site: web.TCPSite | None = None
     _session: aiohttp.ClientSession | None = None
     _telemetry: Telemetry | None = None
@@ -156,7 +149,7 @@ class RunningProxy:
             await asyncio.to_thread(self.history.close)
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.close)
-        await self.forwarder.close()  # (also on its app's cleanup: here for a listener that never started)
+        await self.forwarder.close()
         if self._session is not None:
             await self._session.close()
 
@@ -176,7 +169,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     budget = ByteBudget(config.parse_budget_bytes)
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    forwarder, proxy_app = proxy_application(config, session, chain, concurrency, budget)
+    forwarder = proxy_application(config, chain, concurrency, budget)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
                                 history=history)
@@ -188,7 +181,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
         # handler_cancellation: a client that goes away cancels its handler at once, so the
         # upstream request is cancelled too (the server frees the sequence's KV blocks).
         runner, running._proxy_site, running.proxy_url = await listen(
-            proxy_app, config.listen, handler_cancellation=True, **options)
+            forwarder.handle, config.listen, handler_cancellation=True, **options)
         running._runners.append(runner)
         runner, _, running.admin_url = await listen(admin_app, config.admin_listen, **options)
         running._runners.append(runner)

@@ -19,7 +19,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
 from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
@@ -28,7 +27,7 @@ from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
 from proxy.request_body import Outgoing, RequestBody
-from proxy.upstream_client import SENT_AGAIN, SendCount, counted_twin, streamed
+from proxy.upstream_client import InvalidResponse, SendCount, UpstreamPool, UpstreamResponse, UpstreamUnreachable
 
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
@@ -42,11 +41,10 @@ HOP_BY_HOP = frozenset({
 _REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
 
 _RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
-# aiohttp's client adds these when absent; a transparent proxy must not.
-SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
 
 
 def new_request_id(supplied: str | None) -> str:
@@ -79,13 +77,6 @@ def enforcement_event(media: str, kind: str, message: str) -> bytes:
     return payload + b"\n"
 
 
-def _when_closed(upstream: aiohttp.ClientResponse) -> asyncio.Future[None] | None:
-    """The future aiohttp resolves when the upstream connection closes (None: no connection left)."""
-    connection = upstream.connection
-    protocol = connection.protocol if connection is not None else None
-    return protocol.closed if protocol is not None else None
-
-
 def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[None]) -> None:
     """The upstream connection is gone: a body it left neither ended nor failed fails now.
 
@@ -113,11 +104,10 @@ class RelayedResponse(web.StreamResponse):
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
-    def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession, observers: ObserverChain,
-                 concurrency: InFlightTracker, budget: ByteBudget) -> None:
+    def __init__(self, config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+                 budget: ByteBudget) -> None:
         self.config = config
-        self.session = session
-        self.counted = counted_twin(session)  # for the methods aiohttp may send twice
+        self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
         self.observers = observers
         self.concurrency = concurrency
         self.budget = budget
@@ -126,8 +116,8 @@ class Forwarder:
         self.shutting_down = False
 
     async def close(self) -> None:
-        """Close what the forwarder opened (the pool itself belongs to `session`)."""
-        await self.counted.close()
+        """Close the pooled connections to the upstream."""
+        await self.pool.close()
 
     def refuse_new(self) -> None:
         """From now on, answer every new request 503 `proxy_shutdown` (the proxy is stopping)."""
@@ -138,7 +128,7 @@ class Forwarder:
         for deadlines in list(self.active):
             deadlines.shutdown()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.monotonic()
         recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
                                   request.path, limits=self.limits, started=started)
@@ -168,10 +158,9 @@ class Forwarder:
 class _Exchange:
     """One request/response pair going through the proxy."""
 
-    def __init__(self, forwarder: Forwarder, request: web.Request, recorder: Recorder,
+    def __init__(self, forwarder: Forwarder, request: web.BaseRequest, recorder: Recorder,
                  deadlines: Deadlines) -> None:
-        self.session = forwarder.session
-        self.counted = forwarder.counted
+        self.pool = forwarder.pool
         self.observers = forwarder.observers
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
@@ -195,7 +184,6 @@ class _Exchange:
             raise
         recorder.request_body(body.held, body.note)
         self._notify_start()
-        url = URL(self.base + self.request.rel_url.raw_path_qs, encoded=True)
         headers = _filtered(self.request.headers, _REQUEST_SKIP)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.
@@ -204,7 +192,7 @@ class _Exchange:
             headers["Authorization"] = self.authorization
         try:
             async with self.deadlines.guard():
-                upstream = await self._send(url, headers, body.outgoing(headers))
+                upstream = await self._send(headers, body.outgoing(headers))
         except TimeoutError:
             fired = self.deadlines.fired
             if fired == "shutdown":
@@ -216,11 +204,11 @@ class _Exchange:
             detail = f"timed out connecting to {self.base}"
             recorder.no_answer("timeout", detail, 504)
             return self._answer(504, "upstream_timeout", detail)
-        except aiohttp.ClientConnectorError as exc:
-            detail = f"cannot connect to {self.base}: {exc.os_error or exc}"[:300]
+        except UpstreamUnreachable as exc:
+            detail = f"cannot connect to {self.base}: {exc.os_error}"[:300]
             recorder.no_answer("connect", detail, 502)
             return self._answer(502, "upstream_unavailable", detail)
-        except aiohttp.ClientResponseError as exc:  # aiohttp's parser refused the response head
+        except InvalidResponse as exc:  # the parser refused the response head
             message = " ".join(str(exc.message).split())  # llhttp messages span lines
             detail = f"upstream answered with a response that is not valid HTTP: {message}"[:300]
             recorder.no_answer("reset", detail, 502)
@@ -234,22 +222,17 @@ class _Exchange:
         finally:
             upstream.close()
 
-    async def _send(self, url: URL, headers: CIMultiDict[str], body: Outgoing) -> aiohttp.ClientResponse:
-        """Send the request once; the record counts what aiohttp sent again.
+    async def _send(self, headers: CIMultiDict[str], body: Outgoing) -> UpstreamResponse:
+        """Send the request once; the record counts a send again.
 
         A pooled connection the server closed while idle is never written on (see
-        `upstream_client.LivenessCheckedConnector`). One that dies under a request anyway may have
-        carried it to the server: aiohttp sends an idempotent request again on a fresh connection,
-        and a POST never, so a server never generates twice.
+        `upstream_client.UpstreamPool`). One that dies under a request anyway may have carried it
+        to the server: an idempotent request with a held body goes once more on another
+        connection, and a POST never, so a server never generates twice.
         """
-        method = self.request.method
-        if method not in SENT_AGAIN:  # a POST is sent once: no trace to count it
-            return await self.session.request(method, url, headers=headers, data=body, allow_redirects=False,
-                                              skip_auto_headers=SKIP_AUTO_HEADERS)
         count = SendCount()
         try:
-            return await self.counted.request(method, url, headers=headers, data=body, allow_redirects=False,
-                                              skip_auto_headers=SKIP_AUTO_HEADERS, trace_request_ctx=count)
+            return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count)
         finally:
             self.recorder.record.upstream_retries = count.retries
 
@@ -270,7 +253,7 @@ class _Exchange:
             record.upstream_request_id = theirs[:128]
         response.headers[CONCURRENCY] = str(record.concurrency_at_start)
 
-    async def _relay(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(self, upstream: UpstreamResponse) -> web.StreamResponse:
         recorder, deadlines = self.recorder, self.deadlines
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
                                    headers=_filtered(upstream.headers, _RESPONSE_SKIP))
@@ -280,7 +263,7 @@ class _Exchange:
             response.content_length = length
         else:
             length = None
-            streamed(self.session, upstream)
+            self.pool.streamed(upstream)
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
@@ -290,7 +273,7 @@ class _Exchange:
         clock = time.monotonic
         last = clock()
         max_gap = 0.0
-        closed = _when_closed(upstream)
+        closed = upstream.closed
         fail_unended = functools.partial(_fail_unended_body, upstream.content)
         if closed is not None:
             closed.add_done_callback(fail_unended)
@@ -342,7 +325,7 @@ class _Exchange:
         return response
 
     async def _end_visibly(self, response: web.StreamResponse, media: str,
-                           upstream: aiohttp.ClientResponse) -> None:
+                           upstream: UpstreamResponse) -> None:
         """Enforce a deadline: cut the upstream and end the stream with an error event."""
         upstream.close()  # the server sees the disconnect and frees the sequence
         fired = self.deadlines.fired

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from aiohttp.web_request import BaseRequest
 from proxy.config import HostPort
 
 RefusalHook = Callable[[str], None]
+Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 
 
 def refusal_reason(error: HttpProcessingError) -> str:
@@ -105,14 +106,29 @@ class GuardedRunner(web.AppRunner):
         return server
 
 
-async def listen(app: web.Application, where: HostPort, *, backlog: int, header_timeout_s: float,
+def _bare_runner(handler: Handler, on_refused: RefusalHook | None, shutdown_timeout: float = 60.0,
+                 **server_options: Any) -> web.ServerRunner:
+    """aiohttp's low-level server around one handler: no router, no application, no middlewares.
+    The proxy port routes every request to the forwarder, and aiohttp's router and application
+    cost a tenth of the proxy's CPU per request to say so."""
+    server = GuardedServer(handler, **server_options)
+    server.on_refused = on_refused
+    return web.ServerRunner(server, shutdown_timeout=shutdown_timeout)
+
+
+async def listen(target: web.Application | Handler, where: HostPort, *, backlog: int, header_timeout_s: float,
                  on_refused: RefusalHook | None = None, reuse_port: bool = False,
-                 **runner_options: Any) -> tuple[GuardedRunner, web.TCPSite, str]:
-    """Start `app` on `where` (port 0: a free one); returns the runner, the site and the URL.
-    `reuse_port`: SO_REUSEPORT, so that worker processes share the port (the kernel spreads
-    connections over them)."""
-    runner = GuardedRunner(app, access_log=None, logger=SERVER_LOG, keepalive_timeout=header_timeout_s,
-                           on_refused=on_refused, **runner_options)
+                 **runner_options: Any) -> tuple[web.BaseRunner, web.TCPSite, str]:
+    """Start `target` (an application, or one handler for every request) on `where` (port 0: a
+    free one); returns the runner, the site and the URL. `reuse_port`: SO_REUSEPORT, so that
+    worker processes share the port (the kernel spreads connections over them)."""
+    options: dict[str, Any] = {"access_log": None, "logger": SERVER_LOG, "keepalive_timeout": header_timeout_s,
+                               **runner_options}
+    runner: web.BaseRunner
+    if isinstance(target, web.Application):
+        runner = GuardedRunner(target, on_refused=on_refused, **options)
+    else:
+        runner = _bare_runner(target, on_refused, **options)
     await runner.setup()
     site = web.TCPSite(runner, where.host, where.port, reuse_address=True, reuse_port=reuse_port or None,
                        backlog=backlog)

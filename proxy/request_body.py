@@ -2,9 +2,9 @@
 
 The proxy reads a body before it connects upstream, so that it knows what was asked. A body that
 fits the parse cap and the process-wide budget is held in one bytearray, read for the record, and
-sent from that same buffer in slices: aiohttp (on Python before 3.12.9) joins the request head
-with the first write, which would copy a body sent whole. A body past either limit is streamed on
-as it arrives, with the client's own Content-Length, and the record says why it was not read.
+sent from that same buffer (in slices past SEND_SLICE, so a big one is never copied whole). A body
+past either limit is streamed on as it arrives, with the client's own Content-Length, and the
+record says why it was not read.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class RequestBody:
 
     __slots__ = ("_budget", "_request", "_reserved", "held", "note", "unread")
 
-    def __init__(self, request: web.Request, budget: ByteBudget) -> None:
+    def __init__(self, request: web.BaseRequest, budget: ByteBudget) -> None:
         self._request = request
         self._budget = budget
         self._reserved = 0  # bytes of `held` counted against the budget
@@ -74,8 +74,8 @@ class RequestBody:
         self.note = note
 
     def outgoing(self, headers: CIMultiDict[str]) -> Outgoing:
-        """What aiohttp sends. A big or streamed body gets the Content-Length the client declared
-        (aiohttp would chunk an iterator), set in `headers` here."""
+        """What the upstream pool sends. A big or streamed body gets the Content-Length the client
+        declared (the pool would chunk an iterator), set in `headers` here."""
         if self.held is not None:
             if len(self.held) <= SEND_SLICE:
                 return memoryview(self.held)

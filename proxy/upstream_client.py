@@ -1,17 +1,21 @@
-"""The client side of the forwarding path: the pooled session to the upstream.
+"""The client side of the forwarding path: one pool of HTTP/1.1 connections to the upstream.
+
+It writes each request head itself, in one write with a held body, and reads the answer with
+aiohttp's own response protocol and parser (llhttp): the same framing, limits and errors as
+aiohttp's client, without the generality of its ClientSession (cookies, redirects, proxies,
+traces, a request object per send), which cost more CPU per request than the diagnosis.
 
 Connections are pooled: a fresh one per request costs a connect and an accept on the critical
 path of every first token. A pooled connection idles at most POOLED_IDLE_S, less than the
 keep-alive timeouts of uvicorn (vLLM) and cpp-httplib (llama-server), 5 s each. A server may still
-close one while it sits in the pool: before a pooled connection carries a request, the connector
+close one while it sits in the pool: before a pooled connection carries a request, the pool
 looks whether the server has closed it, and opens a fresh one instead, so a request is never
 written into a closed socket and never has to be sent twice.
 
-Nor is the pool's clock the server's: aiohttp dates a connection from when it released it, when
-the response's end had been read out of its buffers, which on a busy loop or behind a slow client
-can be seconds after the server sent it; the server's keep-alive timer runs from its last byte. So
-a pooled connection is also passed over when the kernel says the server's last byte came more
-than POOLED_IDLE_S ago (TCP_INFO's tcpi_last_data_recv, on Linux).
+Nor is the pool's clock the server's: a connection is released when the response's end has been
+parsed, which on a busy loop can be long after the server sent it; the server's keep-alive timer
+runs from its last byte. So a pooled connection is also passed over when the kernel says the
+server's last byte came more than POOLED_IDLE_S ago (TCP_INFO's tcpi_last_data_recv, on Linux).
 
 That look cannot see a close still on its way. llama-server closes its connection after every
 streamed response despite `Keep-Alive`, a few milliseconds after the last byte: a request taken
@@ -19,35 +23,67 @@ from the pool in between (the next one of a client that asks right after an answ
 written into a socket the server is closing, and be lost. So a connection that carried a
 streamed answer rests SETTLE_S in the pool before it is used again; a request in that time gets
 another connection or a fresh one.
+
+A request that dies on a pooled connection before its answer began is sent once more on another
+connection when its method is idempotent (RFC 9112 section 9.3.1) and its body is held; a POST
+never, so a server never generates twice.
 """
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import select
 import socket
+import ssl
 import struct
 import time
-import weakref
-from types import SimpleNamespace
+from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
-import structlog
+from aiohttp.client_exceptions import ClientOSError, ServerDisconnectedError
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from proxy.config import ProxyConfig
+from proxy.request_body import Outgoing
 
-_log = structlog.get_logger("llm_diag_proxy")
 POOLED_IDLE_S = 3.0
 # llama-server's close came 1-2 ms after the last byte of a stream on an idle machine (a request
 # sent into that window got no answer in 11 of 100 tries); a wide margin for a loaded one.
 SETTLE_S = 0.25
+SWEEP_EVERY_S = 1.0  # how often idle connections past POOLED_IDLE_S are closed
+READ_BUFSIZE = 1 << 16  # aiohttp's client default
+# A request of another method that has no body says `Content-Length: 0`, as aiohttp's client does.
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# The methods sent again on another connection when a pooled one dies under them (RFC 9112
+# section 9.3.1; aiohttp.client.IDEMPOTENT_METHODS).
+SENT_AGAIN = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
-def _socket_of(connection: aiohttp.connector.Connection) -> Any:
-    """The connection's socket, or None when it has none (closed)."""
-    protocol = connection.protocol
-    transport = protocol.transport if protocol is not None else None
+class UpstreamUnreachable(Exception):
+    """No connection to the upstream could be opened; `os_error` says why."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class InvalidResponse(Exception):
+    """The upstream's response head is not valid HTTP; `message` is the parser's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _socket_of(protocol: ResponseHandler) -> Any:
+    transport = protocol.transport
     return transport.get_extra_info("socket") if transport is not None else None
 
 
@@ -58,19 +94,13 @@ _LAST_DATA_RECV = struct.Struct("=I")
 _LAST_DATA_RECV_AT = 52
 
 
-def quiet_for(connection: aiohttp.connector.Connection) -> float | None:
-    """Seconds since the server's last byte reached this machine's kernel on the connection, or
-    None where the kernel does not say (not Linux, no socket).
+def quiet_for(sock: Any) -> float | None:
+    """Seconds since the server's last byte reached this machine's kernel on `sock`, or None where
+    the kernel does not say (not Linux).
 
-    The pool's own clock starts when aiohttp releases a connection, which it does when the
-    response's end has been read out of its buffers: on a busy event loop, or behind a slow
-    client, that can be seconds after the server sent it. The server's keep-alive timer (uvicorn's
-    5 s in vLLM) started at its last byte, and so does this figure."""
-    sock = _socket_of(connection)
-    return None if sock is None else _quiet(sock)
-
-
-def _quiet(sock: Any) -> float | None:
+    The pool's own clock starts when the response's end was parsed: on a busy event loop that can
+    be long after the server sent it. The server's keep-alive timer (uvicorn's 5 s in vLLM)
+    started at its last byte, and so does this figure."""
     if _TCP_INFO is None:
         return None
     try:
@@ -82,19 +112,6 @@ def _quiet(sock: Any) -> float | None:
     return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0]) / 1000.0
 
 
-def _reusable(connection: aiohttp.connector.Connection) -> bool:
-    """Neither closed by the server nor quiet too long (`quiet_for`), from one lookup of the socket.
-
-    Closed: an idle HTTP/1.1 connection has nothing to read, so a readable socket means a FIN, a
-    reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
-    """
-    sock = _socket_of(connection)
-    if sock is None:
-        return True  # no transport: aiohttp's own checks have it
-    quiet = _quiet(sock)
-    return (quiet is None or quiet <= POOLED_IDLE_S) and not readable(sock.fileno())
-
-
 def readable(fd: int) -> bool:
     """The descriptor has something to read (data, a FIN, an error) right now."""
     poller = select.poll()
@@ -102,140 +119,275 @@ def readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-class LivenessCheckedConnector(aiohttp.TCPConnector):
-    """A TCPConnector that never hands out a pooled connection the server has already closed,
-    nor, for SETTLE_S after it was released, one that carried a streamed answer."""
+def _reusable(protocol: ResponseHandler) -> bool:
+    """Open, neither closed by the server nor quiet too long (`quiet_for`).
 
-    stale_closed = 0  # pooled connections found closed by the server, process-wide
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._streamed: weakref.WeakSet[object] = weakref.WeakSet()  # protocols whose answer streamed
-
-    def streamed(self, response: aiohttp.ClientResponse) -> None:
-        """This answer has no length (a stream): its connection rests before it is used again.
-
-        A short stream may have ended, and its connection gone back to the pool, before the
-        response reached the caller; aiohttp's response keeps its protocol (`_protocol`) for that.
-        """
-        protocol = getattr(response, "_protocol", None)  # (a protocol is a queue: empty, it is falsy)
-        if protocol is None and response.connection is not None:
-            protocol = response.connection.protocol
-        if protocol is not None:
-            self._streamed.add(protocol)
-
-    async def _get(self, key: Any, traces: Any) -> Any:  # aiohttp >= 3.11: (key, traces), async
-        resting: list[tuple[Any, float]] = []
-        try:
-            while True:
-                self._take_resting(key, resting)
-                connection = await super()._get(key, traces)
-                if connection is None:
-                    return None
-                if _reusable(connection):
-                    self._streamed.discard(connection.protocol)
-                    return connection
-                LivenessCheckedConnector.stale_closed += 1
-                connection.close()
-        finally:
-            if resting:  # back at the head of the pool, in their order
-                self._conns[key].extendleft(reversed(resting))
-
-    def _take_resting(self, key: Any, resting: list[tuple[Any, float]]) -> None:
-        """Set aside, for one lookup, the streamed connections at the head of the pool that were
-        released under SETTLE_S ago. aiohttp takes the oldest first and the pool is in release
-        order, so this looks at the head only: one comparison while the pool's oldest has settled."""
-        conns = self._conns.get(key)
-        if not conns or not self._streamed:
-            return
-        now = time.monotonic()
-        while conns:
-            protocol, released = conns[0]
-            if now - released >= SETTLE_S or protocol not in self._streamed:
-                return
-            resting.append(conns.popleft())
-        del self._conns[key]  # aiohttp drops an empty key; the finally above restores it
-
-
-def streamed(session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
-    """Tell the pool that `response` streams (see SETTLE_S)."""
-    connector = session.connector
-    if isinstance(connector, LivenessCheckedConnector):
-        connector.streamed(response)
-
-
-def _liveness_hook_fits() -> bool:
-    """The check overrides a private method of aiohttp: only where its shape is the one written for."""
-    method = getattr(aiohttp.TCPConnector, "_get", None)
-    if method is None or not inspect.iscoroutinefunction(method):
+    Closed: an idle HTTP/1.1 connection has nothing to read, so a readable socket means a FIN, a
+    reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
+    """
+    if not protocol.is_connected():
         return False
-    return list(inspect.signature(method).parameters) == ["self", "key", "traces"]
-
-
-# The methods aiohttp sends again on a fresh connection when a pooled one dies under them
-# (aiohttp.client.IDEMPOTENT_METHODS).
-SENT_AGAIN = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+    sock = _socket_of(protocol)
+    if sock is None:
+        return False
+    quiet = quiet_for(sock)
+    return (quiet is None or quiet <= POOLED_IDLE_S) and not readable(sock.fileno())
 
 
 class SendCount:
-    """How many times aiohttp sent one request: it sends an idempotent request (GET, PUT, ...) once
-    more when a pooled connection dies under it (RFC 9112 section 9.3.1), never a POST."""
+    """How many times one request was sent again on another connection."""
 
-    __slots__ = ("sends",)
+    __slots__ = ("retries",)
 
     def __init__(self) -> None:
-        self.sends = 0
+        self.retries = 0
+
+
+class UpstreamResponse:
+    """An answer's status and head, its body as aiohttp's StreamReader (`content`), and the
+    connection under it, back to the pool when the body has ended, closed by `close()` before."""
+
+    __slots__ = ("_pool", "_writer", "content", "done", "headers", "protocol", "reason", "status")
+
+    def __init__(self, pool: UpstreamPool, protocol: ResponseHandler, status: int, reason: str,
+                 headers: CIMultiDictProxy[str], content: StreamReader, writer: asyncio.Task[None] | None) -> None:
+        self._pool = pool
+        self._writer = writer
+        self.protocol = protocol
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content = content
+        self.done = False
+        content.on_eof(self._body_ended)
 
     @property
-    def retries(self) -> int:
-        return max(0, self.sends - 1)
+    def content_length(self) -> int | None:
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    def _body_ended(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._writer is not None and not self._writer.done():  # answered before the body was sent
+            self._writer.cancel()
+            self.protocol.close()
+            return
+        self._pool.release(self.protocol)
+
+    def close(self) -> None:
+        """Close the connection unless the body ended and it went back to the pool (idempotent)."""
+        if self.done:
+            return
+        self.done = True
+        if self._writer is not None:
+            self._writer.cancel()
+        self.protocol.close()
+
+    @property
+    def closed(self) -> asyncio.Future[None] | None:
+        """The future resolved when the connection closes (None: it has already)."""
+        return self.protocol.closed
 
 
-async def _count_send(_session: aiohttp.ClientSession, context: SimpleNamespace,
-                      _params: aiohttp.TraceRequestHeadersSentParams) -> None:
-    count = context.trace_request_ctx
-    if isinstance(count, SendCount):
-        count.sends += 1
+class UpstreamPool:
+    """Keep-alive connections to the one upstream, oldest first; see the module's docstring."""
+
+    stale_closed = 0  # pooled connections found closed, or quiet too long, process-wide
+
+    def __init__(self, base: str, connect_timeout_s: float | None) -> None:
+        parts = urlsplit(base)
+        url = URL(base)
+        self.host = url.raw_host or ""
+        self.port = url.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.authority = url.host_port_subcomponent or self.host
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self.connect_timeout_s = connect_timeout_s or None
+        self._idle: deque[tuple[ResponseHandler, float]] = deque()
+        self._streamed: set[ResponseHandler] = set()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    # --- sending ------------------------------------------------------------------------------
+    async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Outgoing,
+                   count: SendCount) -> UpstreamResponse:
+        """Send one request and return its answer once the head has come; `count` counts each
+        send again (see the module's docstring)."""
+        if body is None and method not in _BODILESS and "Content-Length" not in headers \
+                and "Transfer-Encoding" not in headers:
+            headers["Content-Length"] = "0"
+        elif isinstance(body, memoryview):
+            headers["Content-Length"] = str(len(body))
+        chunked = body is not None and not isinstance(body, memoryview) and "Content-Length" not in headers
+        if chunked:
+            headers["Transfer-Encoding"] = "chunked"
+        head = _request_head(method, self.prefix + target, self.authority, headers)
+        again = method in SENT_AGAIN and not chunked and (body is None or isinstance(body, memoryview))
+        while True:
+            protocol, pooled = await self._connection()
+            try:
+                return await self._exchange(protocol, method, head, body, chunked)
+            except (ClientOSError, ServerDisconnectedError):
+                if not (again and pooled):
+                    raise
+                again = False
+                count.retries += 1
+
+    async def _exchange(self, protocol: ResponseHandler, method: str, head: bytes, body: Outgoing,
+                        chunked: bool) -> UpstreamResponse:
+        protocol.set_response_params(skip_payload=method == "HEAD", read_until_eof=True, auto_decompress=False,
+                                     read_bufsize=READ_BUFSIZE)
+        transport = protocol.transport
+        assert transport is not None
+        writer: asyncio.Task[None] | None = None
+        if body is None:
+            transport.write(head)
+        elif isinstance(body, memoryview):
+            if len(body) <= 65536:
+                transport.write(head + body)
+            else:
+                transport.write(head)
+                transport.write(body)
+        else:
+            transport.write(head)
+            writer = asyncio.get_running_loop().create_task(_write_body(protocol, body, chunked))
+        try:
+            while True:
+                try:
+                    message, payload = await protocol.read()
+                except HttpProcessingError as exc:
+                    raise InvalidResponse(str(exc.message)) from exc
+                if not 100 <= message.code <= 199 or message.code == 101:
+                    break
+        except BaseException:
+            if writer is not None:
+                writer.cancel()
+            protocol.close()
+            raise
+        if message.should_close:
+            protocol.force_close()
+        return UpstreamResponse(self, protocol, message.code, message.reason, message.headers, payload, writer)
+
+    # --- the pool -----------------------------------------------------------------------------
+    async def _connection(self) -> tuple[ResponseHandler, bool]:
+        """A settled, live pooled connection (and True), or a fresh one (and False)."""
+        protocol = self._take()
+        if protocol is not None:
+            return protocol, True
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, protocol = await loop.create_connection(
+                    lambda: ResponseHandler(loop), self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise UpstreamUnreachable(exc) from exc
+        return protocol, False
+
+    def _take(self) -> ResponseHandler | None:
+        idle = self._idle
+        if not idle:
+            return None
+        now = time.monotonic()
+        resting: list[tuple[ResponseHandler, float]] = []
+        taken = None
+        while idle:
+            protocol, released = idle.popleft()
+            if protocol in self._streamed and now - released < SETTLE_S:
+                resting.append((protocol, released))
+                continue
+            self._streamed.discard(protocol)
+            if _reusable(protocol):
+                taken = protocol
+                break
+            UpstreamPool.stale_closed += 1
+            protocol.close()
+        if resting:  # back at the head of the pool, in their order
+            idle.extendleft(reversed(resting))
+        return taken
+
+    def streamed(self, response: UpstreamResponse) -> None:
+        """This answer has no length (a stream): its connection rests before it is used again."""
+        self._streamed.add(response.protocol)
+
+    def release(self, protocol: ResponseHandler) -> None:
+        """A connection whose answer has ended: to the pool, or closed when it cannot carry another."""
+        if self._closed or protocol.should_close or not protocol.is_connected():
+            self._streamed.discard(protocol)
+            protocol.close()
+            return
+        self._idle.append((protocol, time.monotonic()))
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(SWEEP_EVERY_S, self._close_idle)
+
+    def _close_idle(self) -> None:
+        """Close the pooled connections idle longer than POOLED_IDLE_S, or closed meanwhile."""
+        self._sweep = None
+        now = time.monotonic()
+        kept: deque[tuple[ResponseHandler, float]] = deque()
+        for protocol, released in self._idle:
+            if now - released <= POOLED_IDLE_S and protocol.is_connected():
+                kept.append((protocol, released))
+            else:
+                self._streamed.discard(protocol)
+                protocol.close()
+        self._idle = kept
+        if kept:
+            self._sweep = asyncio.get_running_loop().call_later(SWEEP_EVERY_S, self._close_idle)
+
+    async def close(self) -> None:
+        """Close every pooled connection; connections still answering close when their answer ends."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        while self._idle:
+            self._idle.popleft()[0].close()
+        self._streamed.clear()
 
 
-def send_count_trace() -> aiohttp.TraceConfig:
-    """The trace that counts each send of a request (a retry writes its headers a second time)."""
-    trace = aiohttp.TraceConfig()
-    trace.on_request_headers_sent.append(_count_send)
-    return trace
+def _request_head(method: str, target: str, authority: str, headers: CIMultiDict[str]) -> bytes:
+    """The request line and header block, as they go on the wire: `Host` first, then the rest in
+    the client's order. Values came through aiohttp's server parser (no CR or LF); bytes that are
+    not UTF-8 pass as they came (surrogateescape)."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+async def _write_body(protocol: ResponseHandler, pieces: AsyncIterator[bytes | bytearray | memoryview],
+                      chunked: bool) -> None:
+    """Send a body as it comes (chunked when it has no length), waiting while the socket is full.
+    A failure ends the exchange: the answer's read raises it."""
+    transport = protocol.transport
+    try:
+        async for piece in pieces:
+            if not piece or transport is None or transport.is_closing():
+                continue
+            if chunked:
+                transport.write(b"%x\r\n" % len(piece) + bytes(piece) + b"\r\n")
+            else:
+                transport.write(piece)
+            await protocol._drain_helper()
+        if chunked and transport is not None and not transport.is_closing():
+            transport.write(b"0\r\n\r\n")
+    except Exception as exc:  # the client's body broke off, or the upstream's connection
+        protocol.set_exception(ClientOSError(f"the request body could not be sent on: {exc!r}"[:300]))
+        protocol.close()
 
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
-    """The client session to the upstream: no decompression (bytes pass as sent), no cookie jar
-    (clients must not share cookies), no proxy settings from the environment, no pool limit."""
-    options: dict[str, Any] = {"limit": 0, "keepalive_timeout": POOLED_IDLE_S, "enable_cleanup_closed": True}
-    if _liveness_hook_fits():
-        connector: aiohttp.TCPConnector = LivenessCheckedConnector(**options)
-    else:  # pragma: no cover - another aiohttp: pool without the check, and say so once
-        _log.warning("upstream_pool_unchecked", aiohttp=aiohttp.__version__,
-                     note="this aiohttp has another connector shape: pooled connections are not checked")
-        connector = aiohttp.TCPConnector(**options)
+    """An aiohttp session for the proxy's own requests to the upstream (the admin's probe, the
+    server's /metrics): no decompression, no cookie jar, no proxy settings from the environment."""
     return aiohttp.ClientSession(
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         trust_env=False,
         timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
-        connector=connector,
-    )
-
-
-def counted_twin(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
-    """A session on the same pool, alike in every option, that counts each send of a request.
-
-    For the methods aiohttp may send twice (`SENT_AGAIN`): a trace costs every request it is on
-    about 3 % of the proxy's CPU, and a POST, never sent twice, needs no count. Closing it leaves
-    the pool to `session`."""
-    return aiohttp.ClientSession(
-        auto_decompress=session.auto_decompress,
-        cookie_jar=session.cookie_jar,
-        trust_env=session.trust_env,
-        timeout=session.timeout,
-        connector=session.connector,
-        connector_owner=False,
-        trace_configs=[send_count_trace()],
+        connector=aiohttp.TCPConnector(keepalive_timeout=POOLED_IDLE_S),
     )

@@ -130,13 +130,12 @@ async def _worker(args: WorkerArgs) -> None:
     args.channel.close()
     transport, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
     sender = RecordSender(transport)
-    session = upstream_session(config)
     tracker = InFlightTracker(counts=args.counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget)
-    forwarder, app = proxy_application(config, session, ObserverChain([sender]), tracker, budget)
+    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    runner, site, url = await listen(app, config.listen, backlog=config.backlog,
+    runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
                                      header_timeout_s=config.header_timeout_s, on_refused=sender.refused,
                                      shutdown_timeout=RUNNER_SHUTDOWN_S, handler_cancellation=True,
                                      reuse_port=True)
@@ -147,7 +146,7 @@ async def _worker(args: WorkerArgs) -> None:
     await drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
     forwarder.end_active()
     await runner.cleanup()
-    await session.close()
+    await forwarder.close()
     await sender.flush(END_WAIT_S)
 
 
