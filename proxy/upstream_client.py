@@ -82,9 +82,28 @@ class InvalidResponse(Exception):
         self.message = message
 
 
-def _socket_of(protocol: ResponseHandler) -> Any:
-    transport = protocol.transport
-    return transport.get_extra_info("socket") if transport is not None else None
+class Connection(ResponseHandler):
+    """aiohttp's response protocol, with what the pool keeps of its connection: the socket (for
+    the liveness look) and whether its parser reads answers to HEAD (bodiless) or to the rest."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.sock: Any = None
+        self.parses_head: bool | None = None  # None: no parser yet
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.sock = transport.get_extra_info("socket")
+
+    def expect_answer(self, head: bool) -> None:
+        """Ready the parser for the answer to the request about to be written. aiohttp makes a
+        new parser per request; llhttp reads one answer after another on a keep-alive
+        connection, so one is made again only when the kind of answer changes."""
+        if self.parses_head is head:
+            return
+        self.parses_head = head
+        self.set_response_params(skip_payload=head, read_until_eof=True, auto_decompress=False,
+                                 read_bufsize=READ_BUFSIZE)
 
 
 # struct tcp_info (linux/tcp.h): tcpi_last_data_recv, milliseconds since the kernel last received
@@ -119,16 +138,14 @@ def readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def _reusable(protocol: ResponseHandler) -> bool:
+def _reusable(protocol: Connection) -> bool:
     """Open, neither closed by the server nor quiet too long (`quiet_for`).
 
     Closed: an idle HTTP/1.1 connection has nothing to read, so a readable socket means a FIN, a
     reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
     """
-    if not protocol.is_connected():
-        return False
-    sock = _socket_of(protocol)
-    if sock is None:
+    sock = protocol.sock
+    if sock is None or not protocol.is_connected():
         return False
     quiet = quiet_for(sock)
     return (quiet is None or quiet <= POOLED_IDLE_S) and not readable(sock.fileno())
@@ -149,7 +166,7 @@ class UpstreamResponse:
 
     __slots__ = ("_pool", "_writer", "content", "done", "headers", "protocol", "reason", "status")
 
-    def __init__(self, pool: UpstreamPool, protocol: ResponseHandler, status: int, reason: str,
+    def __init__(self, pool: UpstreamPool, protocol: Connection, status: int, reason: str,
                  headers: CIMultiDictProxy[str], content: StreamReader, writer: asyncio.Task[None] | None) -> None:
         self._pool = pool
         self._writer = writer
@@ -205,8 +222,8 @@ class UpstreamPool:
         self.authority = url.host_port_subcomponent or self.host
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
         self.connect_timeout_s = connect_timeout_s or None
-        self._idle: deque[tuple[ResponseHandler, float]] = deque()
-        self._streamed: set[ResponseHandler] = set()
+        self._idle: deque[tuple[Connection, float]] = deque()
+        self._streamed: set[Connection] = set()
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -235,10 +252,9 @@ class UpstreamPool:
                 again = False
                 count.retries += 1
 
-    async def _exchange(self, protocol: ResponseHandler, method: str, head: bytes, body: Outgoing,
+    async def _exchange(self, protocol: Connection, method: str, head: bytes, body: Outgoing,
                         chunked: bool) -> UpstreamResponse:
-        protocol.set_response_params(skip_payload=method == "HEAD", read_until_eof=True, auto_decompress=False,
-                                     read_bufsize=READ_BUFSIZE)
+        protocol.expect_answer(method == "HEAD")
         transport = protocol.transport
         assert transport is not None
         writer: asyncio.Task[None] | None = None
@@ -271,7 +287,7 @@ class UpstreamPool:
         return UpstreamResponse(self, protocol, message.code, message.reason, message.headers, payload, writer)
 
     # --- the pool -----------------------------------------------------------------------------
-    async def _connection(self) -> tuple[ResponseHandler, bool]:
+    async def _connection(self) -> tuple[Connection, bool]:
         """A settled, live pooled connection (and True), or a fresh one (and False)."""
         protocol = self._take()
         if protocol is not None:
@@ -280,7 +296,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, protocol = await loop.create_connection(
-                    lambda: ResponseHandler(loop), self.host, self.port, ssl=self.ssl,
+                    lambda: Connection(loop), self.host, self.port, ssl=self.ssl,
                     server_hostname=self.host if self.ssl is not None else None)
         except TimeoutError:
             raise
@@ -288,12 +304,12 @@ class UpstreamPool:
             raise UpstreamUnreachable(exc) from exc
         return protocol, False
 
-    def _take(self) -> ResponseHandler | None:
+    def _take(self) -> Connection | None:
         idle = self._idle
         if not idle:
             return None
         now = time.monotonic()
-        resting: list[tuple[ResponseHandler, float]] = []
+        resting: list[tuple[Connection, float]] = []
         taken = None
         while idle:
             protocol, released = idle.popleft()
@@ -314,7 +330,7 @@ class UpstreamPool:
         """This answer has no length (a stream): its connection rests before it is used again."""
         self._streamed.add(response.protocol)
 
-    def release(self, protocol: ResponseHandler) -> None:
+    def release(self, protocol: Connection) -> None:
         """A connection whose answer has ended: to the pool, or closed when it cannot carry another."""
         if self._closed or protocol.should_close or not protocol.is_connected():
             self._streamed.discard(protocol)
@@ -328,7 +344,7 @@ class UpstreamPool:
         """Close the pooled connections idle longer than POOLED_IDLE_S, or closed meanwhile."""
         self._sweep = None
         now = time.monotonic()
-        kept: deque[tuple[ResponseHandler, float]] = deque()
+        kept: deque[tuple[Connection, float]] = deque()
         for protocol, released in self._idle:
             if now - released <= POOLED_IDLE_S and protocol.is_connected():
                 kept.append((protocol, released))
@@ -360,7 +376,7 @@ def _request_head(method: str, target: str, authority: str, headers: CIMultiDict
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-async def _write_body(protocol: ResponseHandler, pieces: AsyncIterator[bytes | bytearray | memoryview],
+async def _write_body(protocol: Connection, pieces: AsyncIterator[bytes | bytearray | memoryview],
                       chunked: bool) -> None:
     """Send a body as it comes (chunked when it has no length), waiting while the socket is full.
     A failure ends the exchange: the answer's read raises it."""
