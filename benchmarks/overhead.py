@@ -17,6 +17,7 @@ at the same levels. Then the idle TTFT of single requests, each target in turn.
     python benchmarks/overhead.py                       # the whole table
     python benchmarks/overhead.py --workers 2           # the proxy with two worker processes
     python benchmarks/overhead.py --targets direct,proxy,bare   # bare aiohttp: the stack's floor
+    python benchmarks/overhead.py --baseline ../before   # and an older checkout, side by side
 
 Never run as a timed test: the figures depend on the machine, and the README quotes one run.
 """
@@ -74,6 +75,7 @@ def stream_events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
 
 
 EXTRA_EVENTS = 4  # role, finish, usage, [DONE]
+WARM_UP = 1000  # short requests per relay before its fixed cost is measured
 
 
 def run_upstream(port: int, tokens: int) -> None:
@@ -324,15 +326,16 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
               "--log-format", "json"]
     proxy_only = ["--history", str(tmp / "history.sqlite3") if args.history else "off"]
     workers = ["--workers", str(args.workers)] if args.workers != 1 else []
-    for name, command in (("proxy", ["-m", "proxy", "serve", *workers]),
+    for name, command in (("proxy", ["-m", "proxy", "serve", *workers, *proxy_only]),
+                          ("baseline", ["-m", "proxy", "serve"]),
                           ("bare", ["benchmarks/bare_passthrough.py"])):
         if name not in args.targets:
             continue
         port, admin = free_port(), free_port()
         setup.processes[name] = subprocess.Popen(
-            [sys.executable, *command, *common, *(proxy_only if name == "proxy" else []),
-             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin}"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, preexec_fn=relay_pinned)
+            [sys.executable, *command, *common, "--listen", f"127.0.0.1:{port}",
+             "--admin-listen", f"127.0.0.1:{admin}"],
+            cwd=args.baseline if name == "baseline" else ROOT, stdout=subprocess.DEVNULL, preexec_fn=relay_pinned)
         wait_for(port)
         setup.urls[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
     return setup
@@ -352,6 +355,11 @@ def main() -> int:
                         help="single requests per target, in turn, for the idle TTFT (0 = skip)")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
     parser.add_argument("--history", action="store_true", help="the proxy writes its history (SQLite) meanwhile")
+    parser.add_argument("--fixed-rounds", type=int, default=3,
+                        help="rounds of --requests per relay for the fixed cost, after a warm-up; the median is shown")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of this repository (git worktree add DIR REV): its proxy is measured "
+                             "too, as `baseline`, with the same flags (less --history and --workers)")
     parser.add_argument("--targets", default="direct,nginx,proxy",
                         help=f"comma-separated, of {', '.join(TARGETS)} (direct is always measured)")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
@@ -361,6 +369,8 @@ def main() -> int:
         run_upstream(args.port, args.tokens)
         return 0
     args.targets = ["direct", *(t for t in args.targets.split(",") if t in TARGETS and t != "direct")]
+    if args.baseline is not None:
+        args.targets.append("baseline")
     relays = args.targets[1:]
     with tempfile.TemporaryDirectory(prefix="llm-diag-bench-") as tmp:
         setup = start(args, Path(tmp))
@@ -422,10 +432,15 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
     if args.requests:
         parts = []
         for name in relays:
-            before = cpu_seconds(setup.processes[name].pid)
-            asyncio.run(short_requests(setup.urls[name], args.requests, 16))
-            parts.append(f"{name} {(cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6:.0f} us")
-        print(f"# fixed cost: CPU per request over {args.requests} 4-token streams, 16 in flight: " + ", ".join(parts))
+            asyncio.run(short_requests(setup.urls[name], WARM_UP, 16))  # its pool grown, its code paths warm
+            costs = []
+            for _ in range(args.fixed_rounds):
+                before = cpu_seconds(setup.processes[name].pid)
+                asyncio.run(short_requests(setup.urls[name], args.requests, 16))
+                costs.append((cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6)
+            parts.append(f"{name} {statistics.median(costs):.0f} us ({min(costs):.0f}-{max(costs):.0f})")
+        print(f"# fixed cost: CPU per request, median of {args.fixed_rounds} rounds of {args.requests} 4-token "
+              f"streams at 16 in flight after {WARM_UP} unmeasured: " + ", ".join(parts))
     if args.ttft_samples:
         samples = asyncio.run(idle_ttft(setup.urls, args.ttft_samples))
         parts = [f"direct p50 {statistics.median(samples['direct']) * 1000:.2f} ms"]

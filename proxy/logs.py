@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import datetime
+import asyncio
 import logging
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -20,13 +21,43 @@ def _orjson_dumps(event: Any, **_: Any) -> bytes:
 
 
 class _JsonSink:
-    """Where JSON lines go, for the one line per response written without structlog's chain."""
+    """Where JSON lines go, for the one line per response written without structlog's chain.
 
-    __slots__ = ("level", "out")
+    Lines are flushed once per turn of the event loop, not once each: the responses that end in
+    one turn cost one write(2). Outside a running loop each line is flushed at once. structlog's
+    own lines flush the same buffer, so the order of lines is kept."""
+
+    __slots__ = ("flush_due", "flush_failed", "level", "out")
 
     def __init__(self, out: Any, level: int) -> None:
         self.out = out
         self.level = level
+        self.flush_due = False
+        self.flush_failed: str | None = None
+
+    def write(self, line: bytes) -> None:
+        """Buffer a line; raises when an earlier flush failed (the observer chain notes it in the
+        record that is being logged, and the lines of that turn are lost)."""
+        failed, self.flush_failed = self.flush_failed, None
+        if failed is not None:
+            raise OSError(f"the log could not be written: {failed}")
+        self.out.write(line)
+        if self.flush_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.out.flush()
+            return
+        self.flush_due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_due = False
+        try:
+            self.out.flush()
+        except (OSError, ValueError) as exc:  # stdout gone or closed: the next line says so
+            self.flush_failed = repr(exc)[:200]
 
 
 _json_sink: _JsonSink | None = None
@@ -58,9 +89,28 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None
     )
 
 
-def _now_iso() -> str:
-    """The timestamp structlog's TimeStamper(fmt="iso", utc=True) writes."""
-    return datetime.datetime.now(tz=datetime.UTC).isoformat().replace("+00:00", "Z")
+class _Clock:
+    """The timestamp structlog's TimeStamper(fmt="iso", utc=True) writes, made from the epoch:
+    the date and time of day formatted once per second, the microseconds each time
+    (`datetime.isoformat` leaves them out when they are 0, and so does this)."""
+
+    __slots__ = ("_second", "_text")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._text = ""
+
+    def now_iso(self) -> str:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        micro = int((now - second) * 1_000_000)
+        return f"{self._text}.{micro:06d}Z" if micro else f"{self._text}Z"
+
+
+_now_iso = _Clock().now_iso
 
 
 # Fields of a record that are logged; no prompt or completion text is ever in a record.
@@ -92,5 +142,4 @@ class LogObserver:
             line.setdefault(key, value)
         line["level"] = "info"
         line["timestamp"] = _now_iso()
-        sink.out.write(orjson.dumps(line, default=str) + b"\n")
-        sink.out.flush()
+        sink.write(orjson.dumps(line, default=str) + b"\n")

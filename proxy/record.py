@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -150,7 +151,7 @@ class ResponseRecord:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat dict (a shallow copy: dataclasses.asdict's deep copy costs ~10x), with
         the `cause` and `outcome` the metrics count it under."""
-        out = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        out = dict(zip(_RECORD_FIELDS, _record_values(self), strict=True))
         out["cause"] = self.cause
         out["outcome"] = self.outcome
         return out
@@ -197,6 +198,7 @@ class ResponseRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
+_record_values = operator.attrgetter(*_RECORD_FIELDS)  # every field in one C call
 RECORD_FIELDS = frozenset(_RECORD_FIELDS)
 
 

@@ -145,7 +145,7 @@ def _reusable(protocol: Connection) -> bool:
     reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
     """
     sock = protocol.sock
-    if sock is None or not protocol.is_connected():
+    if sock is None or protocol.should_close or not protocol.is_connected():  # (should_close: bytes of no request)
         return False
     quiet = quiet_for(sock)
     return (quiet is None or quiet <= POOLED_IDLE_S) and not readable(sock.fileno())

@@ -57,3 +57,61 @@ def test_no_response_line_below_the_log_level(stdout: _Stdout) -> None:
     logs.configure_logging("warning", "json", stream=stdout)
     logs.LogObserver("http://upstream:8000").on_response(_record())
     assert stdout.buffer.getvalue() == b""
+
+
+class _CountingBuffer(io.BytesIO):
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.flushes = 0
+        self.fail = fail
+
+    def flush(self) -> None:
+        self.flushes += 1
+        if self.fail:
+            raise BrokenPipeError("stdout is gone")
+
+
+async def test_the_lines_of_one_loop_turn_are_flushed_once(stdout: _Stdout) -> None:
+    import asyncio
+
+    stdout.buffer = _CountingBuffer()
+    logs.configure_logging("info", "json", stream=stdout)
+    observer = logs.LogObserver("http://upstream")
+    for _ in range(3):
+        observer.on_response(_record())
+    assert stdout.buffer.flushes == 0
+    await asyncio.sleep(0)
+    assert stdout.buffer.flushes == 1
+    assert len(stdout.buffer.getvalue().splitlines()) == 3
+
+
+async def test_a_flush_that_failed_is_said_by_the_next_line_written(stdout: _Stdout) -> None:
+    import asyncio
+
+    from proxy.observers import ObserverChain
+
+    stdout.buffer = _CountingBuffer(fail=True)
+    logs.configure_logging("info", "json", stream=stdout)
+    chain = ObserverChain([logs.LogObserver("http://upstream")])
+    chain.response_finished(_record())
+    await asyncio.sleep(0)  # the turn's flush fails
+    stdout.buffer.fail = False
+    record = _record()
+    chain.response_finished(record)
+    assert record.observer_errors and "stdout is gone" in record.observer_errors[0]
+
+
+def test_outside_an_event_loop_each_line_is_flushed_at_once(stdout: _Stdout) -> None:
+    stdout.buffer = _CountingBuffer()
+    logs.configure_logging("info", "json", stream=stdout)
+    logs.LogObserver("http://upstream").on_response(_record())
+    assert stdout.buffer.flushes == 1
+
+
+@pytest.mark.parametrize("epoch", [1796422099.0, 1796422099.5, 1796422099.000123, 1796422100.999999])
+def test_the_timestamp_is_the_one_structlog_writes(epoch: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    monkeypatch.setattr(logs.time, "time", lambda: epoch)
+    expected = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat().replace("+00:00", "Z")
+    assert logs._Clock().now_iso() == expected
