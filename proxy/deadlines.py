@@ -20,7 +20,8 @@ Fired = Literal["total", "idle", "shutdown"]
 class Deadlines:
     """`guard()` around the reads; `arm(since)` before each read, `disarm()` after it."""
 
-    __slots__ = ("_offset", "_timeout", "deadline_at", "deadline_s", "enforce", "fired", "idle_s", "started")
+    __slots__ = ("_guarded", "_offset", "_timeout", "deadline_at", "deadline_s", "enforce", "fired", "idle_s",
+                 "started")
 
     def __init__(self, started: float, deadline_s: float, idle_s: float, enforce: bool) -> None:
         self.started = started
@@ -30,6 +31,7 @@ class Deadlines:
         self.deadline_at = started + deadline_s if deadline_s else None
         self.fired: Fired | None = None
         self._timeout: asyncio.Timeout | None = None
+        self._guarded: asyncio.Task[object] | None = None  # the task in a guard without a timeout
         self._offset = 0.0  # asyncio timeouts run on loop.time(); our stamps are time.monotonic()
 
     def guard(self) -> _Guard:
@@ -43,10 +45,14 @@ class Deadlines:
 
     def shutdown(self) -> None:
         """The proxy is stopping: end the guarded wait now (or the next one, at its start)."""
+        if self.fired == "shutdown":
+            return
         self.fired = "shutdown"
         timeout = self._timeout
         if timeout is not None:
             timeout.reschedule(asyncio.get_running_loop().time())
+        elif self._guarded is not None:
+            self._guarded.cancel()  # its guard turns this cancellation into the TimeoutError
 
     def arm(self, since: float) -> None:
         """Before a read: the earlier of the total deadline and `since` + the idle timeout."""
@@ -88,27 +94,43 @@ class Deadlines:
 class _Guard:
     """`Deadlines.guard()`: an asyncio timeout rescheduled by `arm`, `disarm` and `shutdown`.
 
-    A plain class rather than a generator-based context manager: it is entered twice per
-    request on the forwarding path."""
+    Where no limit is enforced (observe mode, the default) only a shutdown can end the wait, and
+    the guard keeps no timeout: `shutdown` cancels the guarded task, and the guard turns that one
+    cancellation into the TimeoutError, as asyncio's timeout does. A plain class rather than a
+    generator-based context manager: it is entered twice per request on the forwarding path."""
 
-    __slots__ = ("_deadlines", "_timeout")
+    __slots__ = ("_cancelling", "_deadlines", "_task", "_timeout")
 
     def __init__(self, deadlines: Deadlines) -> None:
         self._deadlines = deadlines
         self._timeout: asyncio.Timeout | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
 
     async def __aenter__(self) -> None:
         deadlines = self._deadlines
         if deadlines.fired == "shutdown":
             raise TimeoutError("the proxy is shutting down")
+        if not deadlines.enforce:
+            task = asyncio.current_task()
+            assert task is not None
+            self._task = deadlines._guarded = task
+            self._cancelling = task.cancelling()
+            return
         deadlines._offset = asyncio.get_running_loop().time() - time.monotonic()
-        timeout = asyncio.timeout_at(deadlines._at(deadlines.deadline_at) if deadlines.enforce else None)
+        timeout = asyncio.timeout_at(deadlines._at(deadlines.deadline_at))
         self._timeout = deadlines._timeout = timeout
         await timeout.__aenter__()
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         traceback: TracebackType | None) -> None:
-        deadlines, timeout = self._deadlines, self._timeout
+        deadlines, timeout, task = self._deadlines, self._timeout, self._task
+        if task is not None:
+            deadlines._guarded = None
+            if deadlines.fired == "shutdown" and kind is asyncio.CancelledError \
+                    and task.uncancel() <= self._cancelling:
+                raise TimeoutError("the proxy is shutting down") from error
+            return
         assert timeout is not None
         try:
             await timeout.__aexit__(kind, error, traceback)

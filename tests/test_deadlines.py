@@ -1,0 +1,70 @@
+"""The guard around the upstream waits: a shutdown ends a guarded wait in every mode, a limit only
+where it is enforced, and a cancellation that is not ours passes through unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from proxy.deadlines import Deadlines
+
+
+async def _wait_guarded(deadlines: Deadlines, seconds: float) -> None:
+    async with deadlines.guard():
+        await asyncio.sleep(seconds)
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+async def test_a_shutdown_ends_the_guarded_wait_as_a_timeout(enforce: bool) -> None:
+    deadlines = Deadlines(time.monotonic(), 60.0, 0.0, enforce)
+    waiting = asyncio.create_task(_wait_guarded(deadlines, 30))
+    await asyncio.sleep(0.01)
+    deadlines.shutdown()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(waiting, 2)
+    assert deadlines.fired == "shutdown"
+    assert waiting.cancelling() == 0  # the cancellation was taken back, not left pending
+
+
+async def test_after_a_shutdown_a_new_guard_refuses_at_once() -> None:
+    deadlines = Deadlines(time.monotonic(), 0.0, 0.0, False)
+    deadlines.shutdown()
+    with pytest.raises(TimeoutError):
+        await _wait_guarded(deadlines, 30)
+
+
+async def test_in_observe_mode_a_limit_never_ends_the_wait() -> None:
+    deadlines = Deadlines(time.monotonic(), 0.05, 0.02, False)
+    await _wait_guarded(deadlines, 0.1)
+    assert deadlines.fired is None
+    assert deadlines.passed(time.monotonic(), 0.1) == "total"
+
+
+async def test_an_enforced_deadline_ends_the_wait_and_says_which() -> None:
+    deadlines = Deadlines(time.monotonic(), 0.05, 0.0, True)
+    with pytest.raises(TimeoutError):
+        await _wait_guarded(deadlines, 5)
+    assert deadlines.fired == "total"
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation(enforce: bool) -> None:
+    deadlines = Deadlines(time.monotonic(), 60.0, 0.0, enforce)
+    waiting = asyncio.create_task(_wait_guarded(deadlines, 30))
+    await asyncio.sleep(0.01)
+    waiting.cancel()  # a client that went away: aiohttp cancels the handler
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert deadlines.fired is None
+
+
+async def test_a_shutdown_beside_a_cancellation_from_elsewhere_leaves_the_cancellation() -> None:
+    deadlines = Deadlines(time.monotonic(), 0.0, 0.0, False)
+    waiting = asyncio.create_task(_wait_guarded(deadlines, 30))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    deadlines.shutdown()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
