@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +43,7 @@ def garble(rng: random.Random, event: bytes) -> bytes:
     return event[:at] + bytes([rng.randrange(256)]) + event[at + 1:]
 
 
-def openai_events(rng: random.Random) -> list[bytes]:
+def openai_events(rng: random.Random, longest: int = 40) -> list[bytes]:
     sorted_keys = rng.random() < 0.3  # llama.cpp (nlohmann::json sorts keys; `created` per second)
     created = 1733000000
 
@@ -59,7 +60,7 @@ def openai_events(rng: random.Random) -> list[bytes]:
         return sse(obj, spaced=rng.random() < 0.02)
 
     events = [chunk({"role": "assistant", "content": ""})]
-    for _ in range(rng.randrange(0, 40)):
+    for _ in range(rng.randrange(0, longest)):
         roll = rng.random()
         if roll < 0.7:
             events.append(chunk({"content": text(rng)}))
@@ -178,6 +179,23 @@ def test_fast_path_and_full_parser_give_identical_records(kind: str, seed: int) 
     assert record_of(path, media, reads, fast=True) == record_of(path, media, reads, fast=False)
 
 
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_long_streams_matched_in_runs_give_the_records_of_the_full_parser(seed: int) -> None:
+    """Past RUN_AFTER plain events a run of them is matched in one regex call: long streams, mostly
+    plain tokens, some mixed in that are not (escapes, non-ASCII, reasoning, over the line
+    limit), cut anywhere, must still give the full parser's record."""
+    rng = random.Random(seed)
+    events = [garble(rng, event) for event in openai_events(rng, longest=400)]
+    if rng.random() < 0.3:  # a token past the line limit (4096 here) in the middle of a run
+        at = rng.randrange(1, len(events))
+        events.insert(at, events[at - 1].replace(b'"content":"', b'"content":"' + b"y" * 5000, 1))
+    body = b"".join(events)
+    reads = cut(rng, body) if rng.random() < 0.5 else [body[i:i + 700] for i in range(0, len(body), 700)]
+    assert record_of("/v1/chat/completions", "text/event-stream", reads, fast=True) == \
+        record_of("/v1/chat/completions", "text/event-stream", reads, fast=False)
+
+
 def test_the_fast_path_takes_plain_events_without_decoding_them() -> None:
     """The point of it: after the first, plain tokens of a vLLM stream are not decoded."""
     dialect = dialect_named("openai")
@@ -209,3 +227,24 @@ def test_a_shape_with_a_changing_scalar_learns_a_hole() -> None:
     assert [plain.count(line) for line in lines[2:]] == [1, 1, 1]
     assert plain.count(lines[2].replace(b'"t2"', b'"t\\"2"')) == 1  # an escaped quote is still plain
     assert plain.count(lines[2].replace(b'"t2"', b'"t\x012"')) == -1  # a raw control byte is not JSON
+
+
+@pytest.mark.parametrize("read_size", [64, 700, 4096, 1 << 20])
+def test_runs_of_plain_events_keep_the_blank_line_rules(read_size: int) -> None:
+    """Extra blank lines between and after events (a third LF at a read's end among them) give the
+    full parser's record when runs of plain events are matched at once."""
+    rng = random.Random(read_size)
+    events = [sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1733000000, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]})]
+    for i in range(300):
+        event = sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1733000000, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "logprobs": None,
+                                  "finish_reason": None}]})
+        events.append(event + b"\n" * rng.choice([0, 0, 0, 1, 2]))
+    events.append(b"data: [DONE]\n\n")
+    body = b"".join(events)
+    reads = [body[i:i + read_size] for i in range(0, len(body), read_size)]
+    fast = record_of("/v1/chat/completions", "text/event-stream", reads, fast=True)
+    assert fast == record_of("/v1/chat/completions", "text/event-stream", reads, fast=False)
+    assert fast["output_tokens"] == 300
