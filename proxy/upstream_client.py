@@ -189,7 +189,7 @@ class UpstreamResponse:
         self.done = True
         if self._writer is not None and not self._writer.done():  # answered before the body was sent
             self._writer.cancel()
-            self.protocol.close()
+            self._pool.drop(self.protocol)
             return
         self._pool.release(self.protocol)
 
@@ -200,7 +200,7 @@ class UpstreamResponse:
         self.done = True
         if self._writer is not None:
             self._writer.cancel()
-        self.protocol.close()
+        self._pool.drop(self.protocol)
 
     @property
     def closed(self) -> asyncio.Future[None] | None:
@@ -330,11 +330,15 @@ class UpstreamPool:
         """This answer has no length (a stream): its connection rests before it is used again."""
         self._streamed.add(response.protocol)
 
+    def drop(self, protocol: Connection) -> None:
+        """Close a connection that will not go back to the pool, and forget it."""
+        self._streamed.discard(protocol)
+        protocol.close()
+
     def release(self, protocol: Connection) -> None:
         """A connection whose answer has ended: to the pool, or closed when it cannot carry another."""
         if self._closed or protocol.should_close or not protocol.is_connected():
-            self._streamed.discard(protocol)
-            protocol.close()
+            self.drop(protocol)
             return
         self._idle.append((protocol, time.monotonic()))
         if self._sweep is None:

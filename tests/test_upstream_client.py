@@ -12,10 +12,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
 
+from proxy.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import chat_chunk, sse
 
 ANSWER = b'{"ok":true}'
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
@@ -203,3 +207,18 @@ async def test_a_tls_upstream_whose_certificate_does_not_verify_is_a_502_and_nev
     assert error["type"] == "upstream_unavailable" and "certificate" in error["message"].lower()
     assert upstream.heads == []
     assert (await record_for(proxy, "tls-bad")).upstream_error == "connect"
+
+
+async def test_streams_the_client_left_leave_no_connection_behind_in_the_pool(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    """A stream cut because its client left closes its upstream connection, and the pool forgets
+    it: nothing of it stays among the connections resting after a stream."""
+    for i in range(5):
+        upstream.push(Script(chunks=[sse(chat_chunk("x"))] * 100, delay=0.01))
+        async with client.post(proxy.proxy_url + "/v1/chat/completions", data=b'{"model":"m","stream":true}',
+                               headers={"X-Request-Id": f"left-{i}"}) as response:
+            await response.content.readany()
+        record = await record_for(proxy, f"left-{i}")
+        assert record.stop_reason == "client_disconnect"
+    pool = proxy.forwarder.pool
+    assert not pool._streamed and not pool._idle
