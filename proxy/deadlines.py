@@ -36,8 +36,8 @@ class Deadlines:
 
     def guard(self) -> _Guard:
         """The context the guarded waits run in; TimeoutError out of it with `fired` set when a
-        limit of ours ended the wait. A TimeoutError of another origin (aiohttp's connect timeout
-        is one) passes through with `fired` unset."""
+        limit of ours ended the wait. A TimeoutError of another origin (the upstream pool's connect
+        timeout is one) passes through with `fired` unset."""
         return _Guard(self)
 
     def _at(self, when: float | None) -> float | None:

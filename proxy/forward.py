@@ -47,7 +47,6 @@ _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
-
 class _FreshIds:
     """Request ids as long as a uuid4's hex, unique without a syscall each: 80 random bits per
     process (drawn again in a forked child), then a counter."""
