@@ -8,7 +8,6 @@ framing comes from the content type the server declared; what the JSON means, fr
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,9 +31,6 @@ Interpret = Callable[[Any], list[Event]]
 # and is as fast on the long strings that make bodies big. Small documents, every streamed event
 # among them, stay with orjson.
 ORJSON_MAX_BYTES = 256 * 1024
-# Plain events of a response tested one by one before a run of them is matched by one regex: the
-# regex is compiled per response (its head holds the response's id), which costs about as much.
-RUN_AFTER = 32
 
 
 def load_json(payload: bytes | bytearray) -> Any:
@@ -106,6 +102,24 @@ def _tokens(events: list[Event], visible: int, reasoning: int) -> list[Event]:
     return events
 
 
+def _all_plain(chunk: bytes, end: int, head: bytes, tail: bytes, limit: int) -> int:
+    """How many blocks chunk[:end] holds when every one is `head`, a non-empty plain string body
+    and `tail` within `limit` bytes (what the block-by-block test accepts), else 0.
+
+    With every block of that shape, the bytes between the first head and the last tail split at
+    `tail` + blank line + `head` into the bodies: a body holds no quote and `tail` opens with
+    one, so no body can hold the separator. A block of any other shape leaves a quote or a line
+    feed in some piece, and UNSAFE finds it."""
+    if not chunk.startswith(head) or not chunk.endswith(tail, 0, end):
+        return 0
+    bodies = chunk[len(head):end - len(tail)].split(tail + b"\n\n" + head)
+    if b"" in bodies or UNSAFE.search(b"".join(bodies)) is not None:
+        return 0
+    if max(map(len, bodies)) > limit - len(head) - len(tail):
+        return 0
+    return len(bodies)
+
+
 class SseParser(_StreamParser):
     """Server-sent events (OpenAI-compatible, Anthropic, Responses, llama.cpp).
 
@@ -116,15 +130,11 @@ class SseParser(_StreamParser):
     through the decoder. Records come out identical either way (tests/test_fast_path.py).
     """
 
-    __slots__ = ("_decoder", "_hits", "_run", "_run_key", "_run_kind")
+    __slots__ = ("_decoder",)
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None = None) -> None:
         super().__init__(interpret, max_line, plain)
         self._decoder = SseDecoder(max_line)
-        self._hits = 0  # plain events the inline test counted
-        self._run: re.Pattern[bytes] | None = None
-        self._run_key: tuple[bytes, bytes, int] | None = None
-        self._run_kind = VISIBLE
 
     def feed(self, chunk: bytes) -> list[Event]:
         before = self._overlong
@@ -161,10 +171,9 @@ class SseParser(_StreamParser):
     def _feed_events(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
         """The read's complete events (up to `end`, a blank line), then what it leaves open.
 
-        The one learned shape of a response is tried inline first, against the whole block
-        (`data: ` and all): the common case costs two comparisons and one search per event. Once
-        a response has shown RUN_AFTER such events, a run of them is matched in one regex call
-        (`_run_of`), so a long stream costs no Python per plain event at all.
+        The one learned shape of a response is tried against the whole read first
+        (`_all_plain`: a handful of C calls, however many events), then block by block (`data: `
+        and all): the common case costs two comparisons and one search per event.
         """
         events: list[Event] = []
         visible = reasoning = 0
@@ -172,25 +181,15 @@ class SseParser(_StreamParser):
         ascii_read = chunk.isascii()
         unsafe = UNSAFE.search
         inline = plain.inline(b"data: ") if ascii_read else None
-        run = self._run_of(inline) if inline is not None and self._hits >= RUN_AFTER else None
-        blocks_end = end + 2
-        pos = 0
-        while pos < blocks_end:  # the blocks of chunk[:end].split(b"\n\n"), in order
-            if run is not None:
-                matched = run.match(chunk, pos, blocks_end)
-                if matched is not None and matched.end() != end + 1:  # (end + 1: a third LF, not a block's)
-                    found = chunk.count(b"\n\n", pos, matched.end())
-                    if self._run_kind == VISIBLE:
-                        visible += found
-                    else:
-                        reasoning += found
-                    pos = matched.end()
-                    continue
-            cut = chunk.find(b"\n\n", pos, end)
-            if cut < 0:
-                cut = end
-            block = chunk[pos:cut]
-            pos = cut + 2
+        if inline is not None:
+            head, tail, kind = inline
+            found = _all_plain(chunk, end, head, tail, limit)
+            if found:
+                events.append(TokenDelta(found, reasoning=kind == REASONING))
+                if end + 2 < len(chunk):
+                    events.extend(self._decode(chunk[end + 2:]))
+                return events
+        for block in chunk[:end].split(b"\n\n"):
             if inline is not None:
                 head, tail, kind = inline
                 if block.startswith(head) and block.endswith(tail) and len(block) <= limit:
@@ -200,7 +199,6 @@ class SseParser(_StreamParser):
                             visible += 1
                         else:
                             reasoning += 1
-                        self._hits += 1
                         continue
             if block.startswith(b"data: "):
                 start = 6
@@ -223,8 +221,6 @@ class SseParser(_StreamParser):
                 events.extend(self._event(data))
                 if ascii_read:
                     inline = plain.inline(b"data: ")  # what was decoded may have taught a shape
-                    if run is not None:
-                        run = self._run_of(inline) if inline is not None else None
         if visible:
             events.append(TokenDelta(visible))
         if reasoning:
@@ -232,19 +228,6 @@ class SseParser(_StreamParser):
         if end + 2 < len(chunk):
             events.extend(self._decode(chunk[end + 2:]))
         return events
-
-    def _run_of(self, inline: tuple[bytes, bytes, int]) -> re.Pattern[bytes] | None:
-        """The regex for a run of whole blocks of the inline shape (`data: ` + head, a non-empty
-        body with no quote, backslash or control byte, tail, blank line, each block within the
-        line limit): what the inline test accepts, block for block, on an ASCII read. Compiled
-        once per shape (a response's `id` is in its head), so only after RUN_AFTER events."""
-        if self._run_key != inline:
-            head, tail, kind = inline
-            body_max = self._max_line - len(head) - len(tail)
-            self._run_key, self._run_kind = inline, kind
-            self._run = None if body_max < 1 else re.compile(
-                b"(?:" + re.escape(head) + rb'[^"\\\x00-\x1f]{1,%d}' % body_max + re.escape(tail) + b"\n\n)+")
-        return self._run
 
     def close(self) -> list[Event]:
         self._decoder.close()

@@ -181,10 +181,10 @@ def test_fast_path_and_full_parser_give_identical_records(kind: str, seed: int) 
 
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_long_streams_matched_in_runs_give_the_records_of_the_full_parser(seed: int) -> None:
-    """Past RUN_AFTER plain events a run of them is matched in one regex call: long streams, mostly
-    plain tokens, some mixed in that are not (escapes, non-ASCII, reasoning, over the line
-    limit), cut anywhere, must still give the full parser's record."""
+def test_long_streams_counted_read_by_read_give_the_records_of_the_full_parser(seed: int) -> None:
+    """A read made only of plain events is counted whole (`_all_plain`): long streams, mostly plain
+    tokens, some mixed in that are not (escapes, non-ASCII, reasoning, over the line limit), cut
+    anywhere, must still give the full parser's record."""
     rng = random.Random(seed)
     events = [garble(rng, event) for event in openai_events(rng, longest=400)]
     if rng.random() < 0.3:  # a token past the line limit (4096 here) in the middle of a run
@@ -230,9 +230,9 @@ def test_a_shape_with_a_changing_scalar_learns_a_hole() -> None:
 
 
 @pytest.mark.parametrize("read_size", [64, 700, 4096, 1 << 20])
-def test_runs_of_plain_events_keep_the_blank_line_rules(read_size: int) -> None:
+def test_whole_reads_of_plain_events_keep_the_blank_line_rules(read_size: int) -> None:
     """Extra blank lines between and after events (a third LF at a read's end among them) give the
-    full parser's record when runs of plain events are matched at once."""
+    full parser's record when whole reads of plain events are counted at once."""
     rng = random.Random(read_size)
     events = [sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1733000000, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
