@@ -14,6 +14,7 @@ The hooks:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import structlog
@@ -64,4 +65,6 @@ class ObserverChain:
     def _note(record: ResponseRecord, name: str, exc: Exception) -> None:
         if len(record.observer_errors) < MAX_NOTED_ERRORS:
             record.observer_errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
-        _log.warning("observer_failed", observer=name, error=repr(exc)[:300], request_id=record.request_id)
+        # The log itself may be what failed (a closed or broken stdout): the record says it then.
+        with contextlib.suppress(OSError, ValueError):
+            _log.warning("observer_failed", observer=name, error=repr(exc)[:300], request_id=record.request_id)

@@ -115,3 +115,16 @@ def test_the_timestamp_is_the_one_structlog_writes(epoch: float, monkeypatch: py
     monkeypatch.setattr(logs.time, "time", lambda: epoch)
     expected = datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat().replace("+00:00", "Z")
     assert logs._Clock().now_iso() == expected
+
+
+def test_a_broken_stdout_never_breaks_the_observer_chain(stdout: _Stdout) -> None:
+    """structlog's own lines raise on a broken stdout, the chain's warning among them: the chain
+    goes on, and the record says what failed."""
+    from proxy.observers import ObserverChain
+
+    stdout.buffer = _CountingBuffer(fail=True)
+    logs.configure_logging("info", "json", stream=stdout)
+    chain = ObserverChain([logs.LogObserver("http://upstream")])
+    record = _record()
+    chain.response_finished(record)  # outside a loop: the line's own flush fails, then the warning's
+    assert record.observer_errors and "stdout is gone" in record.observer_errors[0]
