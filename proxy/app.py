@@ -8,7 +8,7 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,6 +26,8 @@ from proxy.listeners import listen
 from proxy.logs import LogObserver, configure_logging
 from proxy.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers import ObserverChain
+from proxy.record import ResponseRecord
+from proxy.server_check import CheckLimits, ServerCheck, open_server_check
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
 from proxy.tracing import Tracer, TracingUnavailable
@@ -57,10 +59,21 @@ async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
 
 
 def proxy_application(config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
-                      budget: ByteBudget) -> Forwarder:
+                      budget: ByteBudget, check: ServerCheck | None = None) -> Forwarder:
     """The forwarding path: its `handle` answers every request on the proxy port (see `listen`).
     Its owner closes it (`Forwarder.close`: its pool of upstream connections)."""
-    return Forwarder(config, observers, concurrency, budget)
+    return Forwarder(config, observers, concurrency, budget, check)
+
+
+def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None], on_result: Callable[[str], None],
+                 ) -> ServerCheck:
+    """What the proxy asks its upstream after each response (this process's share of the limits).
+    `--upstream-metrics off` means the proxy sends its upstream nothing but the clients' requests:
+    no probe of what server it is, no tokenizer call."""
+    asks = config.upstream_metrics != "off"
+    return open_server_check(config.upstream, config.upstream_authorization, deliver, probe=asks,
+                             tokenizer=asks and config.server_tokenizer, limits=CheckLimits().share(config.workers),
+                             on_result=on_result)
 
 
 def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
@@ -121,6 +134,7 @@ class RunningProxy:
     _telemetry: Telemetry | None = None
     history: History | None = None
     tracer: Tracer | None = None
+    check: ServerCheck | None = None
     _closed: bool = False
 
     async def shutdown(self, grace_s: float) -> float:
@@ -143,6 +157,8 @@ class RunningProxy:
         self.forwarder.end_active()
         for runner in self._runners:
             await runner.cleanup()
+        if self.check is not None:  # after the handlers: their last records may wait on the tokenizer
+            await self.check.close()
         if self._telemetry is not None:
             await self._telemetry.stop()
         if self.history is not None:
@@ -169,12 +185,13 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     budget = ByteBudget(config.parse_budget_bytes)
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    forwarder = proxy_application(config, chain, concurrency, budget)
+    check = server_check(config, chain.response_finished, metrics.count_tokenizer)
+    forwarder = proxy_application(config, chain, concurrency, budget, check)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
                                 history=history)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
-                           _telemetry=telemetry, history=history, tracer=tracer)
+                           _telemetry=telemetry, history=history, tracer=tracer, check=check)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:
@@ -186,6 +203,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
         runner, _, running.admin_url = await listen(admin_app, config.admin_listen, **options)
         running._runners.append(runner)
         await telemetry.start()
+        check.start()
     except BaseException:
         await running.close()
         raise

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from proxy.events import ErrorEvent, Finish
-from proxy.record import LengthCause, StopReason, UpstreamErrorKind
+from proxy.record import LengthCause, LengthCauseSource, StopReason, UpstreamErrorKind
 
 _OOM = re.compile(r"out of memory|\boom\b|cudaMalloc|failed to allocate|insufficient memory", re.IGNORECASE)
 # The servers' own words for a context that ran out, checked against their sources:
@@ -55,7 +55,9 @@ class WireFacts:
     requested_max_tokens: int | None = None
     n: int | None = None
     stop_requested: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     streamed: bool = False  # the body was a stream of events, not one JSON document
+    has_prompt: bool = False  # the request asked for a generation (it carried messages or a prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,7 @@ class Diagnosis:
     certain: bool = True
     upstream_error: UpstreamErrorKind | None = None
     upstream_error_detail: str | None = None
+    length_cause_source: LengthCauseSource | None = None
 
 
 def is_oom(message: str) -> bool:
@@ -97,14 +100,20 @@ def length_cause(output_tokens: int | None, requested: int | None, n: int | None
     can carry several tokens, or none that shows as text) proves a stop at the budget when it
     reaches it, but never a stop before it: then the cause is `unknown`, not `server_limit`.
     """
+    return length_cause_with_source(output_tokens, requested, n, exact=exact)[0]
+
+
+def length_cause_with_source(output_tokens: int | None, requested: int | None, n: int | None, *,
+                             exact: bool = True) -> tuple[LengthCause, LengthCauseSource]:
+    """`length_cause`, with what decided it (see `LengthCauseSource`)."""
     if requested is None:
-        return "server_limit"
+        return "server_limit", "no_budget"
     if output_tokens is None:
-        return "unknown"
+        return "unknown", "none"
     per_choice = output_tokens / n if n and n > 1 else output_tokens
     if per_choice >= requested:
-        return "requested_budget"
-    return "server_limit" if exact else "unknown"
+        return "requested_budget", "output_count"
+    return ("server_limit", "output_count") if exact else ("unknown", "counted")
 
 
 def classify(facts: WireFacts) -> Diagnosis:
@@ -153,19 +162,27 @@ def _finished(finish: Finish, facts: WireFacts) -> Diagnosis:
                          upstream_error_detail=f"finish_reason={finish.reason}")
     if finish.stop == "length":
         if finish.context_limit:  # the server says the context, not the budget, ended it
-            return Diagnosis("length", length_cause="server_limit")
-        return Diagnosis("length", length_cause=length_cause(
-            facts.output_tokens, facts.requested_max_tokens, facts.n, exact=facts.tokens_exact))
+            return Diagnosis("length", length_cause="server_limit", length_cause_source="server_finish")
+        cause, source = length_cause_with_source(facts.output_tokens, facts.requested_max_tokens, facts.n,
+                                                 exact=facts.tokens_exact)
+        return Diagnosis("length", length_cause=cause, length_cause_source=source)
     if finish.stop == "eos" and finish.limit_blind:
         # The server says the same for EOS and for a limit: with the whole budget spent, the budget
         # most likely ended it; otherwise EOS or a full context. Neither is proven.
         if facts.tokens_exact and length_cause(facts.output_tokens, facts.requested_max_tokens,
                                                facts.n) == "requested_budget":
-            return Diagnosis("length", length_cause="requested_budget", certain=False)
+            return Diagnosis("length", length_cause="requested_budget", certain=False,
+                             length_cause_source="output_count")
         return Diagnosis("eos", certain=False)
+    if finish.stop == "eos" and finish.matched_token is not None and finish.matched_token in facts.stop_token_ids:
+        return Diagnosis("stop_sequence")  # SGLang names the token: one the client asked to stop at
     if finish.stop == "eos" and facts.stop_requested and not finish.distinguishes_stop:
         # llama.cpp's and Ollama's OpenAI output say "stop" for both: EOS is not proven.
         return Diagnosis("eos", certain=False)
+    if finish.stop == "not_inference" and facts.has_prompt and not facts.output_tokens:
+        # Ollama's `load`/`unload` to a request that carried a prompt: nothing was generated
+        # (a chat without a user turn, for one); not a model listing.
+        return Diagnosis("not_generated")
     return Diagnosis(finish.stop)
 
 

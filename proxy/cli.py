@@ -98,6 +98,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream-metrics-interval", type=flag_type(parse_positive_seconds), default=1.0,
                         metavar="SECONDS", help="how often the upstream's state is read (default %(default)s; "
                                                 "--upstream-metrics off turns it off)")
+    parser.add_argument("--server-tokenizer", choices=("on", "off"),
+                        default=os.environ.get("LLM_DIAG_SERVER_TOKENIZER") or "on",
+                        help="for a length stop whose tokens were only counted (no usage on the wire), ask the "
+                             "upstream's own tokenizer for the prompt's count, after the response (default on; env "
+                             "LLM_DIAG_SERVER_TOKENIZER)")
     parser.add_argument("--backlog", type=flag_type(parse_positive_int), default=2048, metavar="N",
                         help="listen queue of the proxy port: connections accepted in a burst before the kernel "
                              "resets new ones (default %(default)s; the kernel's somaxconn caps it)")
@@ -144,6 +149,14 @@ def history_path(value: str | None) -> str | None:
     return None if value.strip().lower() in ("off", "none", "") else value
 
 
+def _on_off(value: str, flag: str) -> bool:
+    """`on` or `off` (an environment default is checked here: argparse checks only flags)."""
+    text = value.strip().lower()
+    if text not in ("on", "off"):
+        raise ConfigError(f"invalid {flag} {value!r}: expected on or off")
+    return text == "on"
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The ProxyConfig named by serve's flags (defaults from the environment are parsed here too)."""
     try:
@@ -162,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             gpu_poll_interval_s=args.gpu_poll_interval,
             upstream_metrics=args.upstream_metrics,
             upstream_metrics_interval_s=args.upstream_metrics_interval,
+            server_tokenizer=_on_off(getattr(args, "server_tokenizer", "on"), "--server-tokenizer"),
             log_records=args.log_records,
             backlog=args.backlog,
             header_timeout_s=args.header_timeout,

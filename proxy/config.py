@@ -191,6 +191,7 @@ class ProxyConfig:
     gpu_poll_interval_s: float = 1.0
     upstream_metrics: Literal["auto", "vllm", "ollama", "off"] = "auto"
     upstream_metrics_interval_s: float = 1.0
+    server_tokenizer: bool = True  # ask the upstream's tokenizer when the wire leaves a length stop open
     connect_timeout_s: float = 10.0
     backlog: int = 2048  # the listen queue: a burst of connects beyond it is reset by the kernel
     header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)

@@ -35,7 +35,9 @@ class Finish:
     (vLLM's `abort`, `error`); `context_limit` a length stop the server says the context caused
     (Anthropic's `model_context_window_exceeded`), whatever the budget. `limit_blind` marks an
     end the server reports alike for EOS and for a limit reached (llama.cpp's Responses API says
-    `completed` for EOS, a spent budget and a full context).
+    `completed` for EOS, a spent budget and a full context). `matched_token` is the token id that
+    ended a "stop" where the server names it (SGLang's `matched_stop`): EOS, unless the client asked
+    to stop at it.
     """
 
     reason: str | None
@@ -47,6 +49,7 @@ class Finish:
     upstream_error: UpstreamErrorKind | None = None
     context_limit: bool = False
     limit_blind: bool = False
+    matched_token: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ from proxy.deadlines import Deadlines
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
 from proxy.request_body import Outgoing, RequestBody
+from proxy.server_check import ServerCheck
+from proxy.server_info import UNKNOWN_SERVER
 from proxy.upstream_client import InvalidResponse, SendCount, UpstreamPool, UpstreamResponse, UpstreamUnreachable
 
 REQUEST_ID = "X-Request-Id"
@@ -128,10 +130,11 @@ class Forwarder:
     """The aiohttp handler of the proxy port."""
 
     def __init__(self, config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
-                 budget: ByteBudget) -> None:
+                 budget: ByteBudget, check: ServerCheck | None = None) -> None:
         self.config = config
         self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
         self.observers = observers
+        self.check = check  # what only the server can still say, asked after each response
         self.concurrency = concurrency
         self.budget = budget
         self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, budget)
@@ -185,6 +188,7 @@ class _Exchange:
                  deadlines: Deadlines) -> None:
         self.pool = forwarder.pool
         self.observers = forwarder.observers
+        self.check = forwarder.check
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
         self.body_cap = forwarder.config.request_body_cap_bytes
@@ -388,7 +392,13 @@ class _Exchange:
         passed = self.deadlines.passed(ended, self.max_gap)
         if passed is not None:
             recorder.deadline_observed(passed)
-        self.observers.response_finished(recorder.finish())
+        check = self.check
+        if check is None:
+            self.observers.response_finished(recorder.finish(server=UNKNOWN_SERVER))
+            return
+        record = recorder.finish(server=check.facts)
+        check.probe.saw_model(record.model)
+        check.finished(record, recorder.tokenizer_query(), self.request.headers.get("Authorization"))
 
     def _client_connection_lost(self) -> bool:
         transport = self.request.transport

@@ -79,6 +79,15 @@ class ProxyMetrics:
             "llm_proxy_truncated", "Answers the serving layer cut (outcome cut), by cause; server_limit is "
             "exported at 0 from a model's first answer so that its first rise alerts. For counting and "
             "alerting: ratios come from llm_proxy_requests_total.", ["model", "cause"], registry=r)
+        self.prompt_truncated = Counter(
+            "llm_proxy_prompt_truncated", "Answers whose prompt the server cut on the way in (Ollama dropping "
+            "earlier messages past its context, llama.cpp's context shift), as the server's own numbers show; "
+            "the answer itself may look complete.", ["model"], registry=r)
+        self.server_tokenizer_requests = Counter(
+            "llm_proxy_server_tokenizer_requests", "Length stops the wire left open (tokens only counted), by what "
+            "the upstream's own tokenizer made of them: decided, undecided (counted, but too close to call), "
+            "unavailable (no tokenizer the proxy knows), failed, timeout, dropped (queue full), skipped "
+            "(--server-tokenizer off, or stopping).", ["result"], registry=r)
         self.client_disconnects = Counter(
             "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["phase"], registry=r)
@@ -164,6 +173,10 @@ class ProxyMetrics:
         self.parse_budget_used.set_function(parse_budget_used)
         self._parse_budget_refusals = parse_budget_refusals
 
+    def count_tokenizer(self, result: str) -> None:
+        """One length stop through the server's tokenizer (`proxy.server_check`: a bounded set of results)."""
+        self._child(self.server_tokenizer_requests, result).inc()
+
     def count_refused(self, reason: str) -> None:
         """A request the HTTP parser refused (`proxy.listeners.refusal_reason`: a bounded set)."""
         self.invalid_requests.labels(reason).inc()
@@ -234,6 +247,8 @@ class MetricsObserver:
             m._child(m.itl, model, bucket).observe(record.itl_mean_s)
         if outcome == "cut":
             m._child(m.truncated, model, cause).inc()
+        if record.prompt_truncated:
+            m._child(m.prompt_truncated, model).inc()
         if record.client_disconnected and record.disconnect_phase is not None:
             m._child(m.client_disconnects, record.disconnect_phase).inc()
         if record.deadline_hit != "none":

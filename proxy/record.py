@@ -21,6 +21,7 @@ StopReason = Literal[
     "proxy_shutdown",
     "upstream_error",
     "rejected",
+    "not_generated",
     "not_inference",
     "unknown",
 ]
@@ -44,10 +45,10 @@ OUTCOMES: tuple[str, ...] = Outcome.__args__  # type: ignore[attr-defined]
 CUT_CAUSES: tuple[str, ...] = (
     "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
     "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
-    "error_event", "abort", "context_exhausted", "exceeds_context")
+    "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated")
 CAUSES: tuple[str, ...] = (
     "eos", "stop_sequence", "tool_calls", "requested_budget", *CUT_CAUSES, "client_disconnect", "http_4xx",
-    "length_unknown", "unknown", "not_inference")
+    "no_user_turn", "length_unknown", "unknown", "not_inference")
 _ERROR_CAUSES = frozenset({"connect", "timeout", "reset", "oom", "error_event", "abort", "context_exhausted",
                            "exceeds_context"})
 
@@ -55,6 +56,11 @@ _ERROR_CAUSES = frozenset({"connect", "timeout", "reset", "oom", "error_event", 
 REASONING_HEAVY_SHARE = 0.5
 
 LengthCause = Literal["requested_budget", "server_limit", "unknown"]
+# How a length cause was decided: the output's count against the budget (`output_count`), no budget
+# asked (`no_budget`), the server naming the context (`server_finish`), or the prompt counted by the
+# server's own tokenizer against its context (`server_tokenizer`); `counted` for an `unknown` whose
+# count was only a lower bound, `none` for one with no count at all.
+LengthCauseSource = Literal["output_count", "no_budget", "server_finish", "server_tokenizer", "counted", "none"]
 UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort",
                             "context_exhausted", "exceeds_context"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
@@ -73,9 +79,16 @@ class RequestInfo:
     temperature: float | None = None
     n: int | None = None
     stop_requested: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # token ids the client asked to stop at (vLLM, SGLang)
     reasoning_budget: int | None = None  # Anthropic's thinking.budget_tokens
     body_parsed: bool = False
     body_note: str | None = None
+    # The prompt, as far as the proxy can tell without the server's tokenizer:
+    has_prompt: bool = False  # the request carries messages or a prompt (a generation was asked for)
+    user_turn: bool | None = None  # a chat with a user message in it (None: not a chat)
+    prompt_words: int | None = None  # whitespace-separated words in the user's turns: a lower bound in tokens
+    truncate_prompt_tokens: int | None = None  # vLLM's: the client asks to keep only the last N
+    n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
 
 
 @dataclass(slots=True)
@@ -107,6 +120,14 @@ class ResponseRecord:
     stop_reason_certain: bool = True  # False: the server's "stop" covers EOS and a stop string alike
     finish_reason_raw: str | None = None
     length_cause: LengthCause | None = None
+    length_cause_source: LengthCauseSource | None = None
+    length_cause_detail: str | None = None  # how the server's own numbers decided it, or why they could not
+    stop_detail: str | None = None  # what the stop means where its name does not say it (not_generated: why)
+    user_turn: bool | None = None  # the chat carried a user message (None: not a chat, or not read)
+    prompt_tokens_source: Literal["usage", "tokenizer"] | None = None  # the server's report, or its tokenizer
+    context_tokens: int | None = None  # the context the server gives one request, where it says
+    prompt_truncated: bool | None = None  # the server cut the prompt on the way in; None: cannot know
+    prompt_truncated_detail: str | None = None  # how that was decided
     concurrency_at_start: int = 0
     concurrency_peak: int = 0
     concurrency_mean: float = 0.0
@@ -183,6 +204,8 @@ class ResponseRecord:
             if kind in _ERROR_CAUSES:
                 return kind
             return "http_4xx" if self.status is not None and 400 <= self.status < 500 else "http_5xx"
+        if stop == "not_generated" and self.user_turn is False:
+            return "no_user_turn"  # the client sent a chat the server had nothing to answer in
         return stop
 
     @property
@@ -208,4 +231,5 @@ def record_from_dict(data: dict[str, Any]) -> ResponseRecord:
 _OUTCOME_OF: dict[str, str] = {
     **dict.fromkeys(("eos", "stop_sequence", "tool_calls"), "complete"), "requested_budget": "budget",
     **dict.fromkeys(CUT_CAUSES, "cut"), "client_disconnect": "client_gone", "http_4xx": "client_error",
-    "length_unknown": "unknown", "unknown": "unknown", "not_inference": "not_inference"}
+    "no_user_turn": "client_error", "length_unknown": "unknown", "unknown": "unknown",
+    "not_inference": "not_inference"}

@@ -17,11 +17,26 @@ from proxy.classify import WireFacts, classify
 from proxy.dialects import FALLBACK, route_of
 from proxy.dialects.base import Dialect
 from proxy.parsers import load_json, parser_for
+from proxy.prompt_rules import PromptCount, context_of, length_cause_from_prompt, prompt_truncation
 from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind
+from proxy.server_info import UNKNOWN_SERVER, ServerFacts
 from proxy.tally import StreamTally
 
 DeadlineHit = Literal["total", "idle"]
 QUEUE_TIME_RESOLUTION = 9  # decimals: ns, as servers report durations; below is float noise
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerQuery:
+    """A finished record's request, for the server's tokenizer to count its prompt: the request body
+    as the client sent it (the prompt's text never leaves the proxy's memory but to that server)."""
+
+    dialect: str
+    route: str
+    model: str | None
+    body: bytes
+    requested_max_tokens: int
+    truncate_prompt_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +86,7 @@ class Recorder:
         "_error_detail",
         "_info",
         "_limits",
+        "_request_body",
         "_reset",
         "_shutdown",
         "_started",
@@ -85,6 +101,7 @@ class Recorder:
         self._started = started  # monotonic; record.started_at is the same moment in unix time
         self._limits = limits
         self._info = RequestInfo()
+        self._request_body: bytes | bytearray | None = None  # held for the server's tokenizer, never copied
         self.tally = StreamTally(None)
         self._connect_error: UpstreamErrorKind | None = None
         self._error_detail: str | None = None
@@ -126,13 +143,14 @@ class Recorder:
         """The request body when it was held whole (None: none, or too large to read; `note` says)."""
         if self._dialect is not None and body is not None:
             self._info = read_request(self._dialect, body)
+            self._request_body = body
         if note is not None:
             self._info.body_note = note
         info, record = self._info, self.record
         record.model, record.stream = info.model, info.stream
         record.requested_max_tokens, record.seed, record.temperature = (
             info.requested_max_tokens, info.seed, info.temperature)
-        record.num_ctx, record.n = info.num_ctx, info.n
+        record.num_ctx, record.n, record.user_turn = info.num_ctx, info.n, info.user_turn
         record.request_note = info.body_note if info.body_note != "empty body" else None
 
     # --- the response ---------------------------------------------------------------------
@@ -204,8 +222,9 @@ class Recorder:
         return self._ended_at
 
     # --- the record -----------------------------------------------------------------------
-    def finish(self, now: float | None = None) -> ResponseRecord:
-        """Classify and fill the record; call once, after the exchange has ended."""
+    def finish(self, now: float | None = None, server: ServerFacts = UNKNOWN_SERVER) -> ResponseRecord:
+        """Classify and fill the record; call once, after the exchange has ended. `server` is what the
+        upstream says of itself (which server, its context), for the prompt's fate."""
         clock = time.monotonic() if now is None else now
         self.body_ended(clock)
         record, tally, info = self.record, self.tally, self._info
@@ -229,12 +248,19 @@ class Recorder:
             done=tally.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
-            n=record.n, stop_requested=info.stop_requested, streamed=tally.streaming))
+            n=record.n, stop_requested=info.stop_requested, stop_token_ids=info.stop_token_ids,
+            streamed=tally.streaming, has_prompt=info.has_prompt))
         record.stop_reason = diagnosis.stop_reason
         record.stop_reason_certain = diagnosis.certain
         record.length_cause = diagnosis.length_cause
+        record.length_cause_source = diagnosis.length_cause_source
         record.upstream_error = diagnosis.upstream_error
         record.upstream_error_detail = diagnosis.upstream_error_detail
+        if record.stop_reason == "not_generated":
+            record.stop_detail = (f"the server generated nothing (done_reason {record.finish_reason_raw!r}): "
+                                  + ("the chat has no user turn" if info.user_turn is False
+                                     else "it treated the request as a model load"))
+        self._fill_prompt(server)
         if self._client_gone:
             record.client_disconnected = True
             record.disconnect_phase = "before_first_token" if tally.first_token_at is None else "mid_stream"
@@ -243,6 +269,45 @@ class Recorder:
             record.deadline_hit = hit
             record.deadline_mode = "enforce" if self._enforced != "none" else "observe"
         return record
+
+    def _fill_prompt(self, server: ServerFacts) -> None:
+        """The prompt's fate, by the server's own numbers and rules (see proxy.prompt_rules)."""
+        record, info = self.record, self._info
+        if not self.inference or not info.body_parsed:
+            return
+        record.context_tokens = context_of(record, info, server)
+        finding = prompt_truncation(record, info, server)
+        record.prompt_truncated, record.prompt_truncated_detail = finding.truncated, finding.detail
+
+    def tokenizer_query(self) -> TokenizerQuery | None:
+        """For a finished length stop whose cause the counted tokens left open: what the server's
+        tokenizer needs to count its prompt. None when the record needs nothing more (or the proxy
+        did not read the request)."""
+        record, info = self.record, self._info
+        body = self._request_body
+        if (record.stop_reason != "length" or record.length_cause_source != "counted" or body is None
+                or record.requested_max_tokens is None or not info.has_prompt or self._dialect is None):
+            return None
+        return TokenizerQuery(self._dialect.name, record.route, record.model, bytes(body),
+                              record.requested_max_tokens, info.truncate_prompt_tokens)
+
+    @staticmethod
+    def settle_length(record: ResponseRecord, query: TokenizerQuery, kind: str, count: PromptCount | None,
+                      note: str | None) -> None:
+        """What the server's tokenizer said of a record from `tokenizer_query`: its prompt count decides
+        the length cause by the server's own rule, or `note` says why it could not."""
+        if count is None:
+            record.length_cause_detail = note
+            return
+        if record.prompt_tokens is None:
+            record.prompt_tokens, record.prompt_tokens_source = count.tokens, "tokenizer"
+        if record.context_tokens is None:
+            record.context_tokens = count.context
+        cause, detail = length_cause_from_prompt(kind, count, query.requested_max_tokens,
+                                                 query.truncate_prompt_tokens)
+        record.length_cause, record.length_cause_detail = cause, detail
+        if cause != "unknown":
+            record.length_cause_source = "server_tokenizer"
 
     def _fill_tokens(self) -> None:
         record, tally = self.record, self.tally
@@ -253,8 +318,14 @@ class Recorder:
             record.output_tokens, record.tokens_source = tally.tokens, "counted"
         if usage is not None:
             record.prompt_tokens = usage.prompt_tokens
+            if usage.prompt_tokens is not None:
+                record.prompt_tokens_source = "usage"
         if usage is not None and usage.reasoning_tokens is not None:
             record.reasoning_tokens = usage.reasoning_tokens
+        elif tally.reasoning and tally.reasoning == tally.tokens and record.output_tokens is not None:
+            # Thinking and nothing else: every token of the output went to it (Ollama's thinking that
+            # spends the whole num_predict and leaves `content` empty), whatever counted the output.
+            record.reasoning_tokens = record.output_tokens
         elif tally.streaming and record.output_tokens is not None:
             record.reasoning_tokens = tally.reasoning  # what the stream showed: 0 when it showed none
         output, reasoning = record.output_tokens, record.reasoning_tokens

@@ -48,6 +48,7 @@ from proxy.app import (
     open_tracer,
     proxy_application,
     run_loop,
+    server_check,
 )
 from proxy.budget import ByteBudget, shared_budget
 from proxy.concurrency import InFlightTracker, SharedCounts
@@ -132,13 +133,15 @@ async def _worker(args: WorkerArgs) -> None:
     sender = RecordSender(transport)
     tracker = InFlightTracker(counts=args.counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget)
-    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget)
+    check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
+    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
                                      header_timeout_s=config.header_timeout_s, on_refused=sender.refused,
                                      shutdown_timeout=RUNNER_SHUTDOWN_S, handler_cancellation=True,
                                      reuse_port=True)
+    check.start()
     sender.send({"listening": url, "pid": os.getpid()})
     await stop.wait()
     started = time.monotonic()
@@ -146,6 +149,7 @@ async def _worker(args: WorkerArgs) -> None:
     await drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
     forwarder.end_active()
     await runner.cleanup()
+    await check.close()
     await forwarder.close()
     await sender.flush(END_WAIT_S)
 
@@ -263,6 +267,8 @@ class WorkerPool:
             self._metrics.count_refused(str(message["refused"]))
         elif "lost" in message:
             self._metrics.records_lost.inc(int(message["lost"]))
+        elif "tokenizer" in message:
+            self._metrics.count_tokenizer(str(message["tokenizer"])[:16])
         elif "listening" in message:
             worker.url = str(message["listening"])
             worker.listening.set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from proxy.record import ResponseRecord
 from proxy.sweep.limits import characterise
-from proxy.sweep.server_info import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
+from proxy.server_info import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
 
 
 def cut(prompt: int, output: int) -> ResponseRecord:

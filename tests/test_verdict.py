@@ -173,7 +173,7 @@ def test_a_budget_spent_on_reasoning_is_named_in_the_verdict() -> None:
 
 
 def test_answers_past_the_servers_context_are_named_a_context_shift() -> None:
-    from proxy.sweep.server_info import ServerInfo
+    from proxy.server_info import ServerInfo
     from proxy.sweep.stats import by_level, summarize
     from tests.support.sweep_samples import level
 

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Dialect, as_int, as_number, error_event, expect_object, positive_budget
+from proxy.dialects.base import (
+    Dialect,
+    as_int,
+    as_number,
+    error_event,
+    expect_object,
+    positive_budget,
+    read_messages,
+)
 from proxy.events import DONE, ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, Usage
 from proxy.record import RequestInfo, StopReason
 
@@ -110,6 +118,7 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     thinking = obj.get("thinking")
     if isinstance(thinking, dict):
         info.reasoning_budget = positive_budget(thinking.get("budget_tokens"))
+    read_messages(obj.get("messages"), info)  # `system` is apart from the turns, and not counted
 
 
 DIALECT = Dialect(name="anthropic", routes=ROUTES, read_request=read_request, events=events,

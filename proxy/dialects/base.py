@@ -83,3 +83,61 @@ def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[
             break
     info.seed = as_int(obj.get("seed"))
     info.temperature = as_number(obj.get("temperature"))
+
+
+# Roles whose text a chat template renders as the client sent it. A system message is left out: some
+# templates fold it elsewhere or drop it, and an assistant turn may lose its thinking on the way in.
+_VERBATIM_ROLES = frozenset({"user", "tool"})
+
+
+def text_words(content: Any) -> int:
+    """Whitespace-separated words in a message's content: a string, or a list of parts with `text`
+    (OpenAI's and Anthropic's content parts, a tool result's content)."""
+    if isinstance(content, str):
+        return len(content.split())
+    if isinstance(content, list):
+        words = 0
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    words += len(text.split())
+                elif part.get("type") == "tool_result":
+                    words += text_words(part.get("content"))
+        return words
+    return 0
+
+
+def read_messages(messages: Any, info: RequestInfo) -> None:
+    """What a chat's messages say of its prompt: whether there is one, whether a user speaks in it,
+    and the words of the user's (and tools') turns.
+
+    The words are a lower bound on the prompt's tokens: a tokenizer never merges two words across
+    the whitespace between them (GPT-2-style pre-tokenizers split there, SentencePiece splits by
+    whitespace), so each word costs at least one token, and a template renders these turns whole.
+    """
+    if not isinstance(messages, list) or not messages:
+        return
+    info.has_prompt = True
+    words = 0
+    user = False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        if role == "user":
+            user = True
+        if role in _VERBATIM_ROLES:
+            words += text_words(message.get("content"))
+    info.user_turn = user
+    info.prompt_words = words
+
+
+def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
+    """A completion's `prompt`: one string (its words bound its tokens from below), or something the
+    proxy does not count (a batch of prompts, token ids)."""
+    if isinstance(prompt, str):
+        info.has_prompt = bool(prompt)
+        info.prompt_words = len(prompt.split())
+    elif isinstance(prompt, list) and prompt:
+        info.has_prompt = True

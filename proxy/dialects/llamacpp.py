@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Dialect, as_int, error_event, expect_object, read_common
+from proxy.dialects.base import Dialect, as_int, error_event, expect_object, read_common, read_prompt_text
 from proxy.dialects.openai import timings_of
 from proxy.events import ONE_TOKEN, Event, Finish, Usage
 from proxy.record import RequestInfo, StopReason
@@ -46,6 +46,8 @@ def events(obj: Any) -> list[Event]:
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens", "n_predict"))
     info.stop_requested = bool(obj.get("stop"))
+    info.n_keep = as_int(obj.get("n_keep"))
+    read_prompt_text(obj.get("prompt"), info)
 
 
 DIALECT = Dialect(name="llamacpp", routes=ROUTES, read_request=read_request, events=events,

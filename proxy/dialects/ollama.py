@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Dialect, as_int, as_number, error_event, expect_object, positive_budget
+from proxy.dialects.base import (
+    Dialect,
+    as_int,
+    as_number,
+    error_event,
+    expect_object,
+    positive_budget,
+    read_messages,
+    read_prompt_text,
+)
 from proxy.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
 from proxy.record import RequestInfo, StopReason
 
@@ -66,6 +75,10 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
         info.seed = as_int(options.get("seed"))
         info.temperature = as_number(options.get("temperature"))
         info.stop_requested = bool(options.get("stop"))
+    if "messages" in obj:
+        read_messages(obj.get("messages"), info)
+    else:
+        read_prompt_text(obj.get("prompt"), info)
 
 
 DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events,

@@ -12,15 +12,30 @@ Checked against the servers' sources:
   repeating answer;
 - errors come mid-stream as `data: {"error": {...}}` (older vLLM: `{"object": "error", ...}`);
 - llama-server puts `timings` on the finish chunk, with `predicted_n`, its own count of the
-  generated tokens, even when no usage chunk was asked for (tools/server/server-task.cpp);
-  its plain "stop" covers EOS and a stop word alike (no `stop_reason` field).
+  generated tokens, and `prompt_n` + `cache_n`, the prompt's (processed and cached), even when no
+  usage chunk was asked for (tools/server/server-task.cpp, server-common.cpp); its plain "stop"
+  covers EOS and a stop word alike (no `stop_reason` field);
+- SGLang names what ended a "stop" in `matched_stop` on every choice: the stop string matched, or
+  the token id (EOS, or one of the client's `stop_token_ids`), null otherwise
+  (python/sglang/srt/entrypoints/openai/protocol.py, serving_chat.py);
+- Ollama's `/v1` streams thinking as `delta.reasoning`, and a whole answer's as `message.reasoning`
+  (openai/openai.go).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Dialect, as_int, as_number, error_event, expect_object, read_common
+from proxy.dialects.base import (
+    Dialect,
+    as_int,
+    as_number,
+    error_event,
+    expect_object,
+    read_common,
+    read_messages,
+    read_prompt_text,
+)
 from proxy.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
 from proxy.record import RequestInfo, StopReason, UpstreamErrorKind
 
@@ -40,15 +55,26 @@ FINISH: dict[str, StopReason] = {
 }
 
 
-def finish(raw: str, choice: int, detail: Any, distinguishes_stop: bool) -> Finish:
-    """A `finish_reason` with vLLM's `stop_reason` (`detail`), read by the table above."""
+def finish(raw: str, choice: int, detail: Any, distinguishes_stop: bool, matched_token: int | None = None) -> Finish:
+    """A `finish_reason` with vLLM's `stop_reason` or SGLang's string `matched_stop` (`detail`: the
+    stop sequence that matched) and SGLang's token `matched_stop`, read by the table above."""
     key = raw.lower()
     stop = FINISH.get(key, "unknown")
     named = None if detail is None else str(detail)
     if stop == "eos" and named is not None:
         stop = "stop_sequence"  # vLLM names the matched stop string or token id; null for EOS
     error: UpstreamErrorKind | None = "abort" if key == "abort" else "error_event" if key == "error" else None
-    return Finish(raw, stop, choice, named, distinguishes_stop=distinguishes_stop, upstream_error=error)
+    return Finish(raw, stop, choice, named, distinguishes_stop=distinguishes_stop, upstream_error=error,
+                  matched_token=matched_token)
+
+
+def _finish_of(choice: dict[str, Any], reason: Any) -> Finish:
+    index = as_int(choice.get("index")) or 0
+    if "matched_stop" in choice:  # SGLang: a string is a stop sequence, a token id EOS or a stop token
+        matched = choice.get("matched_stop")
+        token = as_int(matched)
+        return finish(str(reason), index, matched if isinstance(matched, str) else None, True, token)
+    return finish(str(reason), index, choice.get("stop_reason"), "stop_reason" in choice)
 
 
 def timings_of(timings: dict[str, Any]) -> ServerTimings:
@@ -78,34 +104,49 @@ def events(obj: Any) -> list[Event]:
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                if delta.get("reasoning") or delta.get("reasoning_content"):
+            part = choice.get("delta")
+            if not isinstance(part, dict):
+                part = choice.get("message")  # a whole answer: what it showed, counted once each
+            if isinstance(part, dict):
+                if part.get("reasoning") or part.get("reasoning_content"):
                     found.append(ONE_REASONING_TOKEN)
-                if delta.get("content") or delta.get("tool_calls"):
+                if part.get("content") or part.get("tool_calls"):
                     found.append(ONE_TOKEN)
             elif choice.get("text"):
                 found.append(ONE_TOKEN)
             reason = choice.get("finish_reason")
             if reason is not None:
-                found.append(finish(str(reason), as_int(choice.get("index")) or 0, choice.get("stop_reason"),
-                                    "stop_reason" in choice))
+                found.append(_finish_of(choice, reason))
     usage = obj.get("usage")
     if isinstance(usage, dict):
         found.append(usage_of(usage))
     timings = obj.get("timings")
     if isinstance(timings, dict):
         found.append(timings_of(timings))
-        predicted = as_int(timings.get("predicted_n"))
-        if predicted is not None and not isinstance(usage, dict):
-            found.append(Usage(None, predicted))
+        if not isinstance(usage, dict):
+            found.append(timings_usage(timings))
     return found
+
+
+def timings_usage(timings: dict[str, Any]) -> Usage:
+    """llama.cpp's own counts in `timings`: the prompt (processed plus cached) and the generated tokens."""
+    processed, cached = as_int(timings.get("prompt_n")), as_int(timings.get("cache_n"))
+    prompt = processed + (cached or 0) if processed is not None else None
+    return Usage(prompt, as_int(timings.get("predicted_n")))
 
 
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens"))
     info.stop_requested = bool(obj.get("stop"))
     info.n = as_int(obj.get("n"))
+    stop_ids = obj.get("stop_token_ids")
+    if isinstance(stop_ids, list):
+        info.stop_token_ids = tuple(i for i in stop_ids if as_int(i) is not None)
+    info.truncate_prompt_tokens = as_int(obj.get("truncate_prompt_tokens"))
+    if "messages" in obj:
+        read_messages(obj.get("messages"), info)
+    else:
+        read_prompt_text(obj.get("prompt"), info)
 
 
 DIALECT = Dialect(name="openai", routes=ROUTES, read_request=read_request, events=events,

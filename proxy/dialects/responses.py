@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.dialects.base import Dialect, as_int, error_event, expect_object, read_common
+from proxy.dialects.base import (
+    Dialect,
+    as_int,
+    error_event,
+    expect_object,
+    read_common,
+    read_messages,
+    read_prompt_text,
+)
 from proxy.events import ONE_REASONING_TOKEN, ONE_TOKEN, ErrorEvent, Event, Finish, Usage
 from proxy.record import RequestInfo, StopReason
 
@@ -83,6 +91,12 @@ def events(obj: Any) -> list[Event]:
 
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_output_tokens",))
+    given = obj.get("input")
+    if isinstance(given, list):  # items: messages with a role, tool outputs (not counted), ...
+        read_messages([item for item in given if isinstance(item, dict) and "role" in item], info)
+        info.has_prompt = bool(given)
+    else:
+        read_prompt_text(given, info)
 
 
 DIALECT = Dialect(name="responses", routes=ROUTES, read_request=read_request, events=events,

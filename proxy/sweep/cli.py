@@ -15,11 +15,11 @@ from typing import Any, TextIO, cast, get_args
 from proxy import __version__
 from proxy.cli import CliError, flag_type
 from proxy.config import ConfigError, parse_positive_int, parse_seconds, parse_upstream_url
+from proxy.server_info import ServerInfo
 from proxy.sweep import export, table
 from proxy.sweep.progress import ProgressBar
 from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepError, SweepPlan, run_sweep
 from proxy.sweep.sample import Sample
-from proxy.sweep.server_info import ServerInfo
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import Verdict, VerdictKind, decide
 

@@ -22,8 +22,8 @@ import orjson
 
 from proxy.record import record_from_dict
 from proxy.recorder import Recorder
+from proxy.server_info import ServerInfo, read_server_info
 from proxy.sweep.sample import ClientMeasure, Sample
-from proxy.sweep.server_info import ServerInfo, read_server_info
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
 SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]

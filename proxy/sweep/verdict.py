@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
+from proxy.server_info import ServerInfo
 from proxy.sweep.limits import CONTEXT_SLACK, characterise
 from proxy.sweep.sample import Sample
-from proxy.sweep.server_info import ServerInfo
 from proxy.sweep.stats import (
     Interval,
     LevelSummary,
