@@ -270,18 +270,28 @@ class UpstreamStateCollector(Collector):
         self.kv_cache_usage: float | None = None
         self.preemptions: float | None = None
         self.models_loaded: float | None = None
+        self.request_preemptions: float | None = None
+        self.requests_finished: float | None = None
+
+    def _values(self) -> tuple[float | None, ...]:
+        return (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded,
+                self.request_preemptions, self.requests_finished)
+
+    def _set(self, values: tuple[float | None, ...]) -> None:
+        (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded,
+         self.request_preemptions, self.requests_finished) = values
 
     def clear(self) -> None:
-        self.running = self.waiting = self.kv_cache_usage = self.preemptions = self.models_loaded = None
+        self._set((None,) * 7)
 
     def describe(self) -> Iterator[Metric]:
         """Every family this collector may export, known or not (for the registry and for tests)."""
-        saved = (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded)
-        self.running = self.waiting = self.kv_cache_usage = self.preemptions = self.models_loaded = 0.0
+        saved = self._values()
+        self._set((0.0,) * 7)
         try:
             yield from self.collect()
         finally:
-            self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded = saved
+            self._set(saved)
 
     def collect(self) -> Iterator[Metric]:
         gauges = (("llm_proxy_upstream_requests_running", "Requests the upstream says it is running.", self.running),
@@ -295,4 +305,13 @@ class UpstreamStateCollector(Collector):
                 yield GaugeMetricFamily(name, documentation, value=value)
         if self.preemptions is not None:
             yield CounterMetricFamily("llm_proxy_upstream_preemptions", "The upstream's own cumulative count of "
-                                      "preempted requests (vLLM), as read.", value=self.preemptions)
+                                      "preempted requests (vLLM; SGLang's retracted requests), as read.",
+                                      value=self.preemptions)
+        if self.request_preemptions is not None and self.requests_finished is not None:
+            yield CounterMetricFamily("llm_proxy_upstream_finished_request_preemptions", "Preemptions of the "
+                                      "requests the upstream finished, each counted once at its end (vLLM's "
+                                      "per-request histogram, vllm:request_num_preemptions_sum).",
+                                      value=self.request_preemptions)
+            yield CounterMetricFamily("llm_proxy_upstream_finished_requests", "Requests the upstream finished "
+                                      "(vllm:request_num_preemptions_count): the denominator of the mean "
+                                      "preemptions per request.", value=self.requests_finished)

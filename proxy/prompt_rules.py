@@ -54,24 +54,19 @@ def _answered(record: ResponseRecord) -> bool:
 
 
 def prompt_truncation(record: ResponseRecord, info: RequestInfo, facts: ServerFacts) -> PromptFinding:
-    """Did the server cut this answer's prompt? From its own prompt count, its context and its rules."""
+    """Did the server cut this answer's prompt? From its own prompt count, its context and its rules.
+
+    Servers that cut silently (Ollama; SGLang with --allow-auto-truncate) report the prompt count
+    after the cut, so a count below the words of the user's own turns proves a cut: every word is
+    at least one token. vLLM and llama.cpp refuse an over-long prompt instead, and llama.cpp's
+    context shift shows in its own counts. Any other server's count is not taken as proof: the
+    proxy does not know what it counts.
+    """
     if record.upstream_error == "exceeds_context":
         return PromptFinding(False, "the server refused the prompt as longer than its context: it did not cut it")
     if not _answered(record):
         return NOT_ASKED
-    counted = record.prompt_tokens if record.prompt_tokens_source == "usage" else None
-    words = info.prompt_words
-    if facts.kind == "ollama" and (facts.version or "").startswith("0.30.0"):
-        # Ollama 0.30.0 counted only the prompt tokens it processed, not those it had cached
-        # (llm/llama_server.go; fixed in 0.30.1, ollama#16414): its count is no bound on the prompt.
-        return PromptFinding(None, "Ollama 0.30.0 leaves cached tokens out of prompt_eval_count, so its count "
-                                   "cannot show a cut")
-    if counted is not None and words is not None and counted < words:
-        asked = (f" (the client asked vLLM to keep the last {info.truncate_prompt_tokens})"
-                 if info.truncate_prompt_tokens is not None else "")
-        return PromptFinding(True, f"the server evaluated {counted:,} prompt tokens, while the user's turns alone "
-                                   f"hold {words:,} words, each at least one token: it cut the prompt{asked}")
-    kind = facts.kind
+    kind = "ollama" if record.dialect == "ollama" and facts.kind == "unknown" else facts.kind
     if kind == "llamacpp":
         return _llamacpp(record, info, facts)
     if kind == "vllm":
@@ -80,18 +75,26 @@ def prompt_truncation(record: ResponseRecord, info: RequestInfo, facts: ServerFa
                                        "prompt tokens; its count does not show whether it had more")
         return PromptFinding(False, "vLLM answers a prompt longer than max_model_len with a 400; it never cuts "
                                     "one (vllm/renderers/params.py, _token_len_check)")
-    where = ""
-    if counted is not None and words is not None:
-        context = context_of(record, info, facts)
-        where = (f": it reported {counted:,} prompt tokens, not fewer than the {words:,} words of the user's turns"
-                 + (f" (context {context:,})" if context else ""))
+    if kind not in ("ollama", "sglang"):
+        return PromptFinding(None, "the server is not one whose prompt counts the proxy knows how to read")
+    if kind == "ollama" and (facts.version or "").startswith("0.30.0"):
+        # Ollama 0.30.0 counted only the prompt tokens it processed, not those it had cached
+        # (llm/llama_server.go; fixed in 0.30.1, ollama#16414): its count is no bound on the prompt.
+        return PromptFinding(None, "Ollama 0.30.0 leaves cached tokens out of prompt_eval_count, so its count "
+                                   "cannot show a cut")
+    counted = record.prompt_tokens if record.prompt_tokens_source == "usage" else None
+    words = info.prompt_words
+    context = context_of(record, info, facts)
+    within = f" (context {context:,} tokens)" if context else ""
+    if counted is not None and words is not None and counted < words:
+        return PromptFinding(True, f"the server evaluated {counted:,} prompt tokens{within}, while the user's turns "
+                                   f"alone hold {words:,} words, each at least one token: it cut the prompt")
+    seen = (f": it reported {counted:,} prompt tokens{within}, not fewer than the {words:,} words of the user's "
+            "turns" if counted is not None and words is not None else ": it reported no prompt count")
     if kind == "ollama":
-        return PromptFinding(None, "Ollama cuts an over-long conversation silently and reports its prompt count "
-                                   f"after the cut, and has no tokenizer to ask{where}")
-    if kind == "sglang":
-        return PromptFinding(None, "SGLang cuts a prompt only with --allow-auto-truncate, which it does not "
-                                   f"report{where}")
-    return PromptFinding(None, "the server is not one whose rules the proxy knows" + where)
+        return PromptFinding(None, "Ollama cuts an over-long conversation silently, reports its prompt count after "
+                                   f"the cut, and has no tokenizer to ask{seen}")
+    return PromptFinding(None, f"SGLang cuts a prompt only with --allow-auto-truncate, which it does not report{seen}")
 
 
 def context_of(record: ResponseRecord, info: RequestInfo, facts: ServerFacts) -> int | None:

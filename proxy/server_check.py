@@ -236,6 +236,21 @@ class ServerTokenizer:
         return PromptCount(len(tokens), context, "llama.cpp POST /tokenize")
 
 
+async def settle_now(tokenizer: ServerTokenizer, record: ResponseRecord, query: TokenizerQuery, facts: ServerFacts,
+                     timeout_s: float = TIMEOUT_S) -> None:
+    """Ask the tokenizer for one record and wait (the sweep's own reading of a response)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            count = await tokenizer.count(query, facts)
+    except TimeoutError:
+        Recorder.settle_length(record, query, facts.kind, None, f"not decided: no answer within {timeout_s:g} s")
+    except TokenizerUnavailable as exc:
+        Recorder.settle_length(record, query, facts.kind, None,
+                               f"not decided: the server's tokenizer could not count the prompt: {exc}")
+    else:
+        Recorder.settle_length(record, query, facts.kind, count, None)
+
+
 def _context(facts: ServerFacts, model: str | None) -> int | None:
     info = facts.info_for(model)
     return info.context_per_request if info is not None else None

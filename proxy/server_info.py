@@ -26,6 +26,7 @@ import orjson
 
 READ_TIMEOUT_S = 5.0
 MAX_BODY_BYTES = 4 * 1024 * 1024
+ROUTER_MODELS_MAX = 16  # a llama.cpp router's models asked about, at most
 ServerKind = Literal["llamacpp", "vllm", "sglang", "ollama", "unknown"]
 _KIND_OF_SOURCE: dict[str, ServerKind] = {"llama.cpp": "llamacpp", "vLLM": "vllm", "SGLang": "sglang",
                                           "Ollama": "ollama"}
@@ -104,6 +105,15 @@ def from_llamacpp_props(body: Any) -> ServerInfo | None:
 def is_llamacpp_router(body: Any) -> bool:
     """The bare `/props` of llama-server in router mode."""
     return isinstance(body, dict) and body.get("role") == "router"
+
+
+def router_loaded_models(body: Any) -> list[str]:
+    """The models a llama.cpp router runs now (its `/v1/models` with each one's `status.value`)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+            and isinstance(m.get("status"), dict) and m["status"].get("value") == "loaded"]
 
 
 def _models_owner(body: Any) -> str | None:
@@ -188,8 +198,9 @@ async def read_server_facts(session: aiohttp.ClientSession, base: str,
     `/api/version` (and `/api/ps` for its loaded models). UNKNOWN_SERVER when none answers so."""
     props = await _get_json(session, base + "/props")
     if is_llamacpp_router(props):
+        names = dict.fromkeys([*router_loaded_models(await _get_json(session, base + "/v1/models")), *models])
         by_model = {}
-        for model in models:
+        for model in list(names)[:ROUTER_MODELS_MAX]:
             info = from_llamacpp_props(await _get_json(session, base + "/props" + _model_query(model)))
             if info is not None:
                 by_model[model] = info

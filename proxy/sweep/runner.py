@@ -22,7 +22,8 @@ import orjson
 
 from proxy.record import record_from_dict
 from proxy.recorder import Recorder
-from proxy.server_info import ServerInfo, read_server_info
+from proxy.server_check import ServerTokenizer, settle_now
+from proxy.server_info import UNKNOWN_SERVER, ServerFacts, ServerInfo, read_server_facts, read_server_info
 from proxy.sweep.sample import ClientMeasure, Sample
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
@@ -92,8 +93,17 @@ def request_body(plan: SweepPlan) -> bytes:
     return orjson.dumps(body)
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSide:
+    """What the sweep knows of the server, and its tokenizer, to read a response as the proxy does."""
+
+    facts: ServerFacts = UNKNOWN_SERVER
+    tokenizer: ServerTokenizer | None = None
+
+
 async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, request_id: str,
-                   level: int, index: int, in_flight: int, *, send_id: bool = True) -> Sample:
+                   level: int, index: int, in_flight: int, *, send_id: bool = True,
+                   server: ServerSide = ServerSide()) -> Sample:
     """Send one streaming request and read it from the client's side, with the proxy's own
     Recorder, so that its record is classified exactly as the proxy would; never raises.
 
@@ -135,15 +145,18 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
             recorder.no_answer("reset", error)
         else:
             recorder.upstream_broke(error)
-    record = recorder.finish(time.monotonic())
+    record = recorder.finish(time.monotonic(), server=server.facts)
     measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
                             itl_p95_s=record.itl_p95_s, chunks=recorder.tally.tokens,
                             duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error)
+    query = recorder.tokenizer_query()
+    if query is not None and server.tokenizer is not None and plan.admin is None:
+        await settle_now(server.tokenizer, record, query, server.facts)  # the proxy's record settles itself
     return Sample(level, index, request_id, record, "client", measure)
 
 
 async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int, *, send_id: bool = True,
-                    on_done: Callable[[], None] = lambda: None) -> list[Sample]:
+                    on_done: Callable[[], None] = lambda: None, server: ServerSide = ServerSide()) -> list[Sample]:
     """Closed loop at one level: `level` slots, each replacing its finished request at once."""
     body = request_body(plan)
     total = level * plan.repeats
@@ -158,7 +171,7 @@ async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int,
             in_flight += 1
             sent = time.monotonic() - started
             sample = await send_one(session, plan, body, str(uuid.uuid4()), level, index, in_flight,
-                                    send_id=send_id)
+                                    send_id=send_id, server=server)
             sample.client.sent_s = sent
             in_flight -= 1
             samples.append(sample)
@@ -268,11 +281,13 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
         if plan.admin is not None:
             await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
         run = SweepRun([], await read_server_info(session, plan.target, plan.model))
+        facts = await read_server_facts(session, plan.target, (plan.model,))
+        server = ServerSide(facts, ServerTokenizer(session, plan.target))
         send_id = await warm_up(session, plan, request_body(plan), run.notes)
         for level in plan.levels:
             on_level_start(level)
             t0 = time.monotonic()
-            level_samples = await run_level(session, plan, level, send_id=send_id, on_done=on_done)
+            level_samples = await run_level(session, plan, level, send_id=send_id, on_done=on_done, server=server)
             await join_records(session, plan, level_samples)
             on_level_done(level, len(level_samples), time.monotonic() - t0)
             run.samples.extend(level_samples)

@@ -46,17 +46,24 @@ CONTEXT_ERRORS = frozenset({"context_exhausted", "exceeds_context"})
 def stop_label(record: ResponseRecord) -> str:
     """The stop reason, with `length` split by its cause (`length:server_limit`,
     `length:requested_budget`, `length:unknown`) and a context error named
-    (`upstream_error:context_exhausted`, `upstream_error:exceeds_context`)."""
+    (`upstream_error:context_exhausted`, `upstream_error:exceeds_context`); an answer to a prompt the
+    server cut on the way in is `prompt_truncated` however it ended, and one never generated says why
+    (`not_generated:no_user_turn`)."""
+    if record.prompt_truncated:
+        return "prompt_truncated"
     if record.stop_reason == "length" and record.length_cause is not None:
         return f"length:{record.length_cause}"
     if record.stop_reason == "upstream_error" and record.upstream_error in CONTEXT_ERRORS:
         return f"upstream_error:{record.upstream_error}"
+    if record.stop_reason == "not_generated" and record.user_turn is False:
+        return "not_generated:no_user_turn"
     return record.stop_reason
 
 
 def is_complete(record: ResponseRecord) -> bool:
-    """The answer ended on its own (EOS, a stop sequence, a tool call)."""
-    return record.stop_reason in COMPLETE_STOP_REASONS
+    """The answer ended on its own (EOS, a stop sequence, a tool call), to the whole prompt: one whose
+    prompt the server cut answered another question, however complete it looks."""
+    return record.stop_reason in COMPLETE_STOP_REASONS and not record.prompt_truncated
 
 
 def output_tokens(record: ResponseRecord) -> int:

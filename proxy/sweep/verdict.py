@@ -193,10 +193,13 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
             tuple(evidence),
             f"disclose this policy ({name}, from concurrency {onset.level}) and set capacity below "
             f"{onset.level} concurrent requests, or raise the limit", difference)
+    if cause == "prompt_truncated":
+        headline = f"prompts are cut on the way in from concurrency {onset.level}: {words}"
+    else:
+        headline = (f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
+                    f"of {onset.requested_max_tokens or 'unknown'} tokens: {words}")
     return Verdict(
-        "serving_defect",
-        f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
-        f"of {onset.requested_max_tokens or 'unknown'} tokens: {words}", cause, onset.level, False,
+        "serving_defect", headline, cause, onset.level, False,
         tuple(evidence),
         f"a serving defect: {remedy or f'fix {cause!r} under load'} (it starts at concurrency {onset.level}); "
         f"until then keep concurrency below {onset.level}", difference)
@@ -214,6 +217,12 @@ CAUSE_WORDS: dict[str, str] = {
     "repetition": "the server cut answers it judged repeating",
     "length:requested_budget": "answers ran into the client's own budget",
     "length:unknown": "length stops whose cause the counted tokens cannot tell (no usage from the server)",
+    "prompt_truncated": "the server cut the prompt on the way in: the answers end on their own and look "
+                        "complete, but answer what was left of the question",
+    "not_generated": "the server generated nothing (Ollama's done_reason load: it treated the request as a "
+                     "model load)",
+    "not_generated:no_user_turn": "the server generated nothing: the chat has no user turn (Ollama loads the "
+                                  "model and answers done_reason load)",
 }
 
 
@@ -229,6 +238,11 @@ CAUSE_ADVICE: dict[str, str] = {
     "interrupted": "the server ends a running stream when another request queues (llama-cpp-python's "
                    "interrupt_requests): turn that off (--interrupt_requests false) or serve one at a time; "
                    "with vLLM, find what aborts requests (its abort endpoint, a gateway's timeout)",
+    "prompt_truncated": "give each request more context (Ollama: options.num_ctx or OLLAMA_CONTEXT_LENGTH, and "
+                        "fewer OLLAMA_NUM_PARALLEL slots when it splits its context between them; llama.cpp: "
+                        "--ctx-size or fewer --parallel slots, or no --context-shift) or shorten the prompts",
+    "not_generated:no_user_turn": "send at least one user turn: a chat of system messages alone is answered "
+                                  "with nothing",
 }
 
 
@@ -246,7 +260,32 @@ def _cause_words(cause: str, samples: Sequence[Sample], server: ServerInfo | Non
                 advice)
     if cause == "upstream_error:context_exhausted" and server is not None:
         return CAUSE_WORDS[cause], [f"the server says {server.describe()}"], advice
+    if cause == "prompt_truncated":
+        return CAUSE_WORDS[cause], _prompt_cut_lines(samples, server, by_level_cut), advice
     return CAUSE_WORDS.get(cause, cause), [], advice
+
+
+def _prompt_cut_lines(samples: Sequence[Sample], server: ServerInfo | None,
+                      by_level_cut: Mapping[int, Sequence[Sample]]) -> list[str]:
+    """How the cut prompts were shown, what the server says of its context, and, when the cuts grow
+    with concurrency, the split that would explain them."""
+    records = [s.record for s in samples]
+    counted = sorted(r.prompt_tokens for r in records if r.prompt_tokens is not None)
+    contexts = sorted({r.context_tokens for r in records if r.context_tokens})
+    lines = []
+    if counted:
+        lines.append(f"the server evaluated {_range(counted)} prompt tokens of these"
+                     + (f" (context {', '.join(f'{c:,}' for c in contexts)} tokens per request)" if contexts else ""))
+    details = [r.prompt_truncated_detail for r in records if r.prompt_truncated_detail]
+    if details:
+        lines.append(f"how it shows: {_mode(details)}")
+    if server is not None:
+        lines.append(f"the server says {server.describe()}")
+    levels = sorted(level for level, cut in by_level_cut.items() if cut)
+    if len(levels) > 1 or (levels and levels[0] > 1):
+        lines.append("the cut grows with concurrency: a context shared between parallel requests (Ollama "
+                     "with OLLAMA_NUM_PARALLEL, llama.cpp's --parallel slots) gives each less of it")
+    return lines
 
 
 def _policy_name(cause: str, client_timeout_s: float | None) -> str:
@@ -268,8 +307,10 @@ def _reasoning_line(records: Sequence[ResponseRecord]) -> list[str]:
     shares = [r.reasoning_share or 0.0 for r in heavy]
     visible = [float(r.visible_tokens) for r in heavy if r.visible_tokens is not None]
     answer = f"; the visible answer got a median {median(visible):g} tokens" if visible else ""
+    empty = sum(1 for r in heavy if r.visible_tokens == 0)
+    nothing = f"; {empty} of them showed no answer at all: the answer budget went to thinking" if empty else ""
     return [f"{len(heavy)} of {len(records)} of these spent most of the budget on reasoning (median "
-            f"{_pct(median(shares) or 0.0)} of it){answer}"]
+            f"{_pct(median(shares) or 0.0)} of it){answer}{nothing}"]
 
 
 def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float | None) -> list[str]:
@@ -277,6 +318,9 @@ def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float
     records = [s.record for s in samples]
     if cause == "length:requested_budget":
         return _reasoning_line(records)
+    if cause.startswith("not_generated"):
+        details = [r.stop_detail for r in records if r.stop_detail]
+        return [f"{len(records)} answers were never generated" + (f": {_mode(details)}" if details else "")]
     if cause == "length:server_limit":
         tokens = sorted(output_tokens(r) for r in records)
         budget = median([float(r.requested_max_tokens) for r in records if r.requested_max_tokens])

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -20,12 +21,14 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.metrics import ProxyMetrics
+from proxy.server_info import is_llamacpp_router, router_loaded_models
 from proxy.telemetry.samples import SampleRing
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
 
 Kind = Literal["metrics", "ollama"]
 MAX_BODY_BYTES = 16 * 1024 * 1024
+ROUTER_MODELS_MAX = 8  # models of a llama.cpp router whose /metrics are read each poll
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,26 +39,34 @@ class MetricNames:
     waiting: tuple[str, ...]
     kv_cache_usage: tuple[str, ...]
     preemptions: tuple[str, ...]
+    request_preemptions: tuple[str, ...] = ()  # a per-request histogram's sum: preemptions of finished requests
+    requests_finished: tuple[str, ...] = ()  # and its count: the requests finished
 
 
 # vLLM: v0 engine in vllm/engine/metrics.py, V1 in vllm/v1/metrics/loggers.py. V1 renamed
 # gpu_cache_usage_perc to kv_cache_usage_perc (0.9, old name deprecated); the preemption
 # Counter is `vllm:num_preemptions_total` (v0) / `vllm:num_preemptions` (V1), and
 # prometheus_client exposes both as the sample `vllm:num_preemptions_total`.
-# SGLang: python/sglang/srt/metrics/collector.py. llama.cpp: tools/server (`--metrics`);
-# recent builds dropped `kv_cache_usage_ratio`, so it may be absent.
+# vLLM V1 also keeps `vllm:request_num_preemptions`, a histogram observed once per finished request
+# with its own preemption count (vllm/v1/metrics/loggers.py): its sum and count are read.
+# SGLang: python/sglang/srt/observability/metrics_collector.py (formerly srt/metrics/collector.py);
+# it retracts (preempts) requests under memory pressure and counts them in
+# `sglang:num_retracted_requests_total`. llama.cpp: tools/server (`--metrics`); recent builds
+# dropped `kv_cache_usage_ratio`, so it may be absent.
 SERVER_FAMILIES: dict[str, MetricNames] = {
     "vllm": MetricNames(
         running=("vllm:num_requests_running",),
         waiting=("vllm:num_requests_waiting",),
         kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         preemptions=("vllm:num_preemptions_total", "vllm:num_preemptions"),
+        request_preemptions=("vllm:request_num_preemptions_sum",),
+        requests_finished=("vllm:request_num_preemptions_count",),
     ),
     "sglang": MetricNames(
         running=("sglang:num_running_reqs",),
         waiting=("sglang:num_queue_reqs",),
         kv_cache_usage=("sglang:token_usage",),
-        preemptions=(),
+        preemptions=("sglang:num_retracted_requests_total",),
     ),
     "llamacpp": MetricNames(
         running=("llamacpp:requests_processing",),
@@ -65,7 +76,8 @@ SERVER_FAMILIES: dict[str, MetricNames] = {
     ),
 }
 _WANTED = frozenset(name for names in SERVER_FAMILIES.values()
-                    for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions)
+                    for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions,
+                                  names.request_preemptions, names.requests_finished)
                     for name in group)
 
 
@@ -92,6 +104,8 @@ class UpstreamState:
     waiting: float | None = None
     kv_cache_usage: float | None = None
     preemptions_total: float | None = None
+    request_preemptions_total: float | None = None  # preemptions counted by the requests that finished
+    requests_finished_total: float | None = None
     models: tuple[LoadedModel, ...] = ()
 
 
@@ -138,8 +152,24 @@ def parse_prometheus_state(text: str) -> UpstreamState | None:
             waiting=first(names.waiting, sum),
             kv_cache_usage=first(names.kv_cache_usage, max),
             preemptions_total=first(names.preemptions, sum),
+            request_preemptions_total=first(names.request_preemptions, sum),
+            requests_finished_total=first(names.requests_finished, sum),
         )
     return None
+
+
+def combined(states: list[UpstreamState], source: str) -> UpstreamState:
+    """Several instances' states as one server's (a llama.cpp router's models): counts summed, the
+    KV-cache usage the highest, a figure none reports left unknown."""
+    def total(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    usages = [s.kv_cache_usage for s in states if s.kv_cache_usage is not None]
+    return UpstreamState(source=source, running=total([s.running for s in states]) if states else 0.0,
+                         waiting=total([s.waiting for s in states]) if states else 0.0,
+                         kv_cache_usage=max(usages) if usages else None,
+                         preemptions_total=total([s.preemptions_total for s in states]))
 
 
 def _int(value: Any) -> int | None:
@@ -186,6 +216,8 @@ class UpstreamSeries:
         exported = self.m.upstream_state
         exported.running, exported.waiting = state.running, state.waiting
         exported.kv_cache_usage, exported.preemptions = state.kv_cache_usage, state.preemptions_total
+        exported.request_preemptions = state.request_preemptions_total
+        exported.requests_finished = state.requests_finished_total
         if state.source == "ollama":
             exported.models_loaded = len(state.models)
             self._set_models(state.models)
@@ -250,6 +282,7 @@ class UpstreamPoller:
         self.clock = clock
         self.series = UpstreamSeries(metrics)
         self.kind: Kind | None = "metrics" if mode == "vllm" else "ollama" if mode == "ollama" else None
+        self.router: bool | None = None  # llama.cpp's router: /metrics per loaded model (None: not known)
         self._logged: set[str] = set()
         self._failures = 0
         self._mismatches = 0  # failed polls in a row where the server answered something else
@@ -271,18 +304,50 @@ class UpstreamPoller:
         except aiohttp.ClientError as exc:
             raise UpstreamFetchError("connect", f"GET {path}: {type(exc).__name__}: {exc}"[:300]) from None
 
+    async def _metrics(self, path: str) -> UpstreamState:
+        body = await self._get(path)
+        try:
+            state = parse_prometheus_state(body.decode("utf-8", errors="replace"))
+        except (ValueError, IndexError, KeyError) as exc:  # the text parser's ways of refusing
+            raise UpstreamFetchError("parse", f"/metrics: {exc}"[:300]) from None
+        if state is None:
+            raise UpstreamFetchError("unrecognized", "/metrics has no vllm:, sglang: or llamacpp: "
+                                                     "request/KV-cache metrics")
+        return state
+
+    async def _is_router(self) -> bool:
+        """Whether the upstream is llama-server in router mode (`/props` says `role: router`)."""
+        try:
+            props = orjson.loads(await self._get("/props"))
+        except (UpstreamFetchError, orjson.JSONDecodeError):
+            return False
+        return is_llamacpp_router(props)
+
+    async def _router_state(self) -> UpstreamState:
+        """A llama.cpp router's state: each loaded model's own `/metrics?model=` (`autoload=false`, so
+        that a read never loads a model), added up."""
+        try:
+            listing = orjson.loads(await self._get("/v1/models"))
+        except orjson.JSONDecodeError:
+            raise UpstreamFetchError("parse", "/v1/models of the llama.cpp router is not JSON") from None
+        states = [await self._metrics(f"/metrics?model={quote(name, safe='')}&autoload=false")
+                  for name in router_loaded_models(listing)[:ROUTER_MODELS_MAX]]
+        return combined(states, "llamacpp")
+
     async def fetch(self, kind: Kind) -> UpstreamState:
         """One read of the upstream's state; raises UpstreamFetchError."""
         if kind == "metrics":
-            body = await self._get("/metrics")
+            if self.router:
+                return await self._router_state()
             try:
-                state = parse_prometheus_state(body.decode("utf-8", errors="replace"))
-            except (ValueError, IndexError, KeyError) as exc:  # the text parser's ways of refusing
-                raise UpstreamFetchError("parse", f"/metrics: {exc}"[:300]) from None
-            if state is None:
-                raise UpstreamFetchError("unrecognized", "/metrics has no vllm:, sglang: or llamacpp: "
-                                                         "request/KV-cache metrics")
-            return state
+                return await self._metrics("/metrics")
+            except UpstreamFetchError as exc:
+                # A llama.cpp router answers a bare /metrics 400 ("model name is missing").
+                if exc.kind != "http_400" or self.router is False or not await self._is_router():
+                    self.router = False if exc.kind == "http_400" else self.router
+                    raise
+            self.router = True
+            return await self._router_state()
         body = await self._get("/api/ps")
         try:
             return parse_ollama_ps(body)
@@ -339,6 +404,7 @@ class UpstreamPoller:
                              detail=str(exc))
             if self.mode == "auto" and self._mismatches >= self.redetect_after:
                 self.kind = None
+                self.router = None
             return False
         self._store(state)
         return True
