@@ -287,6 +287,7 @@ class ServerCheck:
         self._allowance = float(max(1.0, limits.rate_per_s))
         self._refilled = clock()
         self._closed = False
+        self._busy = 0  # records a worker is asking about now
         self._logged: set[str] = set()
 
     @property
@@ -349,6 +350,7 @@ class ServerCheck:
         assert self._tokenizer is not None
         while True:
             waiting = await self._take()
+            self._busy += 1
             try:
                 await self._pace()
                 facts = self.facts
@@ -367,8 +369,11 @@ class ServerCheck:
             except asyncio.CancelledError:
                 Recorder.settle_length(waiting.record, waiting.query, self.facts.kind, None,
                                        "not decided: the proxy stopped before the server's tokenizer answered")
+                self._on_result("skipped")
                 self._deliver(waiting.record)
                 raise
+            finally:
+                self._busy -= 1
             self._deliver(waiting.record)
 
     def _note_failure(self, exc: TokenizerUnavailable) -> None:
@@ -383,7 +388,7 @@ class ServerCheck:
         """Stop taking records; give those in flight `timeout_s`, then hand on every one left, undecided."""
         self._closed = True
         deadline = self._clock() + timeout_s
-        while self._queue and self._clock() < deadline:
+        while (self._queue or self._busy) and self._workers and self._clock() < deadline:
             await asyncio.sleep(0.02)
         tasks = [*self._workers, *([self._probing] if self._probing is not None else [])]
         for task in tasks:

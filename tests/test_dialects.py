@@ -243,3 +243,88 @@ def test_no_dialect_raises_anything_but_value_errors_on_odd_shapes(name: str) ->
 
 def test_token_deltas_are_shared_instances() -> None:
     assert TokenDelta(1) == ONE_TOKEN and TokenDelta(1, reasoning=True) == ONE_REASONING_TOKEN
+
+
+# --- what a request says of its prompt --------------------------------------------------------------
+
+def test_a_chats_user_and_tool_words_bound_its_prompt_from_below() -> None:
+    body = {"model": "m", "messages": [
+        {"role": "system", "content": "many system words that a template may fold away"},
+        {"role": "user", "content": "three little words"},
+        {"role": "assistant", "content": "assistant words are not counted"},
+        {"role": "tool", "content": [{"type": "text", "text": "two parts"}, {"type": "image_url"}]},
+        {"role": "user", "content": [{"type": "text", "text": "one"}]}]}
+    info = read_request(dialect_named("openai"), orjson.dumps(body))
+    assert (info.has_prompt, info.user_turn, info.prompt_words) == (True, True, 6)
+
+
+def test_a_chat_of_system_messages_has_a_prompt_but_no_user_turn() -> None:
+    info = read_request(dialect_named("ollama"), orjson.dumps(
+        {"model": "m", "messages": [{"role": "system", "content": "be brief"}]}))
+    assert (info.has_prompt, info.user_turn, info.prompt_words) == (True, False, 0)
+
+
+def test_a_load_request_has_no_prompt() -> None:
+    for body in ({"model": "m"}, {"model": "m", "messages": []}, {"model": "m", "prompt": ""}):
+        info = read_request(dialect_named("ollama"), orjson.dumps(body))
+        assert (info.has_prompt, info.user_turn) == (False, None)
+
+
+def test_a_completion_prompt_is_counted_by_its_words_and_token_ids_are_not() -> None:
+    info = read_request(dialect_named("openai"), orjson.dumps({"model": "m", "prompt": "a b  c\nd"}))
+    assert (info.has_prompt, info.prompt_words, info.user_turn) == (True, 4, None)
+    ids = read_request(dialect_named("openai"), orjson.dumps({"model": "m", "prompt": [1, 2, 3]}))
+    assert (ids.has_prompt, ids.prompt_words) == (True, None)
+
+
+def test_anthropic_tool_results_count_and_its_system_does_not() -> None:
+    body = {"model": "m", "max_tokens": 5, "system": "lots of system words here", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi there"},
+                                     {"type": "tool_result", "tool_use_id": "t", "content": "forty two"}]}]}
+    info = read_request(dialect_named("anthropic"), orjson.dumps(body))
+    assert (info.user_turn, info.prompt_words) == (True, 4)
+
+
+def test_responses_input_as_text_or_items() -> None:
+    text = read_request(dialect_named("responses"), orjson.dumps({"model": "m", "input": "one two three"}))
+    assert (text.has_prompt, text.prompt_words) == (True, 3)
+    items = read_request(dialect_named("responses"), orjson.dumps({"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "four five"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "not a turn"}]}))
+    assert (items.has_prompt, items.user_turn, items.prompt_words) == (True, True, 2)
+
+
+def test_vllm_and_llamacpp_request_fields_that_shape_the_prompt() -> None:
+    info = read_request(dialect_named("openai"), orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 64,
+         "stop_token_ids": [7, "x", 9]}))
+    assert (info.truncate_prompt_tokens, info.stop_token_ids) == (64, (7, 9))
+    native = read_request(dialect_named("llamacpp"), orjson.dumps({"prompt": "a b", "n_keep": -1}))
+    assert (native.n_keep, native.prompt_words) == (-1, 2)
+
+
+# --- 2026 server fields ---------------------------------------------------------------------------------
+
+def test_sglang_matched_stop_names_a_stop_string_or_a_token() -> None:
+    string = finishes(openai.events({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                                                   "matched_stop": "###"}]}))[0]
+    assert (string.stop, string.detail, string.distinguishes_stop) == ("stop_sequence", "###", True)
+    token = finishes(openai.events({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
+                                                  "matched_stop": 151645}]}))[0]
+    assert (token.stop, token.matched_token, token.distinguishes_stop) == ("eos", 151645, True)
+    nothing = finishes(openai.events({"choices": [{"index": 0, "delta": {}, "finish_reason": "length",
+                                                    "matched_stop": None}]}))[0]
+    assert (nothing.stop, nothing.matched_token) == ("length", None)
+
+
+def test_llamacpp_timings_give_the_prompt_with_its_cached_tokens() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+             "timings": {"cache_n": 72, "prompt_n": 1, "predicted_n": 41}}
+    assert Usage(73, 41) in openai.events(chunk)
+
+
+def test_a_whole_openai_answer_shows_its_reasoning_and_its_answer() -> None:
+    """Ollama's /v1 puts a whole answer's thinking in `message.reasoning` (openai/openai.go)."""
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "", "reasoning": "hm"},
+                         "finish_reason": "length"}]}
+    assert ONE_REASONING_TOKEN in openai.events(body) and ONE_TOKEN not in openai.events(body)

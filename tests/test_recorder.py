@@ -156,3 +156,69 @@ def test_concurrency_is_what_the_caller_says() -> None:
     recorder.concurrency(3, 7, 4.5)
     record = recorder.finish(1.0)
     assert (record.concurrency_at_start, record.concurrency_peak, record.concurrency_mean) == (3, 7, 4.5)
+
+
+def test_thinking_and_nothing_else_spends_the_whole_output() -> None:
+    """Ollama thinks by default: num_predict spent in `thinking`, `content` empty, its count exact."""
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "why?"}],
+                         "options": {"num_predict": 16}})
+    lines = [ollama_line({"message": {"role": "assistant", "content": "", "thinking": f"hm{i} "}, "done": False})
+             for i in range(16)]
+    lines.append(ollama_line({"message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "length",
+                              "prompt_eval_count": 12, "eval_count": 16}))
+    record = recorded("/api/chat", body, lines, content_type="application/x-ndjson")
+    assert (record.output_tokens, record.reasoning_tokens, record.visible_tokens) == (16, 16, 0)
+    assert (record.length_cause, record.length_cause_source, record.reasoning_share) == (
+        "requested_budget", "output_count", 1.0)
+    assert record.budget_mostly_reasoning
+
+
+def test_a_load_answer_to_a_chat_without_a_user_turn_is_not_generated() -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "be brief"}], "stream": False})
+    final = ollama_line({"message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    record = recorded("/api/chat", body, [final], content_type="application/json")
+    assert (record.stop_reason, record.cause, record.outcome, record.user_turn) == (
+        "not_generated", "no_user_turn", "client_error", False)
+    assert record.stop_detail == "the server generated nothing (done_reason 'load'): the chat has no user turn"
+
+
+def test_a_load_answer_to_a_generate_with_a_prompt_is_not_generated_and_says_it_loaded() -> None:
+    body = orjson.dumps({"model": "m", "prompt": "hello there", "stream": False})
+    final = ollama_line({"response": "", "done": True, "done_reason": "load"})
+    record = recorded("/api/generate", body, [final], content_type="application/json")
+    assert (record.stop_reason, record.cause, record.outcome) == ("not_generated", "not_generated", "cut")
+    assert record.stop_detail is not None and "model load" in record.stop_detail
+
+
+def test_a_stop_token_the_client_asked_for_is_a_stop_sequence_when_sglang_names_it() -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [42]})
+    chunk = chat_chunk(None, "stop")
+    del chunk["choices"][0]["stop_reason"]
+    chunk["choices"][0]["matched_stop"] = 42
+    record = recorded("/v1/chat/completions", body, [sse(chat_chunk("a")), sse(chunk), b"data: [DONE]\n\n"])
+    assert (record.stop_reason, record.stop_reason_certain) == ("stop_sequence", True)
+    chunk["choices"][0]["matched_stop"] = 151645  # EOS
+    record = recorded("/v1/chat/completions", body, [sse(chat_chunk("a")), sse(chunk), b"data: [DONE]\n\n"])
+    assert (record.stop_reason, record.stop_reason_certain) == ("eos", True)
+
+
+def test_a_length_stop_whose_tokens_were_counted_asks_the_servers_tokenizer() -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                         "stream": True})
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(bytearray(body))
+    recorder.response_head(200, SSE)
+    for chunk in openai_stream(40, "length", usage=False):
+        recorder.chunk(chunk, 0.01)
+    record = recorder.finish(1.0)
+    assert (record.length_cause, record.length_cause_source) == ("unknown", "counted")
+    query = recorder.tokenizer_query()
+    assert query is not None and (query.route, query.model, query.requested_max_tokens) == (
+        "/v1/chat/completions", "m", 64)
+    assert query.body == body
+    with_usage = Recorder.start("r2", "POST", "/v1/chat/completions", started=0.0)
+    with_usage.request_body(body)
+    with_usage.response_head(200, SSE)
+    for chunk in openai_stream(40, "length", usage=True):
+        with_usage.chunk(chunk, 0.01)
+    assert with_usage.finish(1.0).length_cause == "server_limit" and with_usage.tokenizer_query() is None

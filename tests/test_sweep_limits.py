@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from proxy.record import ResponseRecord
-from proxy.sweep.limits import characterise
 from proxy.server_info import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
+from proxy.sweep.limits import characterise
 
 
 def cut(prompt: int, output: int) -> ResponseRecord:
