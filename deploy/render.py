@@ -248,9 +248,17 @@ def panels() -> list[dict[str, Any]]:
               "client's budget, or below it: server_limit), the share whose budget went mostly (50% or more) "
               "to the model's thinking (reasoning models: delta.reasoning, thinking blocks, reasoning_tokens): "
               "the visible answer got what the thinking left. Records: /api/requests?stop_reason=length "
-              "(reasoning_share).", (0, 65, 24, 7),
+              "(reasoning_share).", (0, 65, 12, 7),
               [(ratio(length_reasoning, length, by="cause"), "mostly reasoning: {{cause}}")],
               unit="percentunit", links=[records_link("stop_reason=length")]),
+        panel("timeseries", "Prompts cut on the way in", "Answers per interval whose prompt the server cut to "
+              "fit its context (Ollama dropping the earliest messages past num_ctx, llama.cpp's context shift "
+              "dropping the head of the prompt), by model: they end on their own and look complete. And the "
+              "length stops the wire left open (tokens only counted), by what the server's own tokenizer made "
+              "of them. Records: /api/requests?model=... (prompt_truncated).", (12, 65, 12, 7),
+              [(f"sum by (model) (increase(llm_proxy_prompt_truncated_total{{{JIM}}}{W}))", "prompt cut: {{model}}"),
+               (f"sum by (result) (increase(llm_proxy_server_tokenizer_requests_total{{{JI}}}{W}))",
+                "tokenizer: {{result}}")]),
         {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 72, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
              "Every response has a record on the proxy's admin port (the `admin_url` variable above, default "

@@ -197,10 +197,11 @@ class ProxyMetrics:
         return model
 
     def _start_truncation_series(self, model: str) -> None:
-        """A model's server_limit count at 0 from its first response on: the one cause an alert
-        watches with increase(), which cannot see a series that is born at 1. Nothing else is
-        created before it is used, so /metrics grows with the traffic, not with the label space."""
+        """A model's server_limit and prompt-cut counts at 0 from its first response on: what alerts
+        watch with increase(), which cannot see a series that is born at 1. Nothing else is created
+        before it is used, so /metrics grows with the traffic, not with the label space."""
         self._child(self.truncated, model, "server_limit")
+        self._child(self.prompt_truncated, model)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)

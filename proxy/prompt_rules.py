@@ -66,7 +66,9 @@ def prompt_truncation(record: ResponseRecord, info: RequestInfo, facts: ServerFa
         return PromptFinding(False, "the server refused the prompt as longer than its context: it did not cut it")
     if not _answered(record):
         return NOT_ASKED
-    kind = "ollama" if record.dialect == "ollama" and facts.kind == "unknown" else facts.kind
+    # A server's own native route names it before any probe has: Ollama's /api/*, llama.cpp's /completion.
+    native = {"ollama": "ollama", "llamacpp": "llamacpp"}.get(record.dialect)
+    kind = native if native is not None and facts.kind == "unknown" else facts.kind
     if kind == "llamacpp":
         return _llamacpp(record, info, facts)
     if kind == "vllm":

@@ -93,6 +93,7 @@ class ServerFactsProbe:
         self._models: dict[str, None] = {}  # models seen in requests (a router is asked about these)
         self._wake = asyncio.Event()
         self._logged: ServerFacts | None = None
+        self.asked = asyncio.Event()  # set once the first probe has an answer (or failed)
 
     def saw_model(self, model: str | None) -> None:
         """A request named `model`: a llama.cpp router, or an Ollama that has not loaded it yet, is
@@ -121,6 +122,7 @@ class ServerFactsProbe:
             except Exception as exc:  # a probe must never end the loop
                 _log.debug("upstream_probe_failed", error=repr(exc)[:200])
                 found = UNKNOWN_SERVER
+            self.asked.set()
             wait = FACTS_REFRESH_S if found.kind != "unknown" else FACTS_RETRY_S
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -353,9 +355,11 @@ class ServerCheck:
             self._busy += 1
             try:
                 await self._pace()
-                facts = self.facts
                 try:
                     async with asyncio.timeout(self._limits.timeout_s):
+                        if self.probe.enabled:  # a record that came before the first probe answered
+                            await self.probe.asked.wait()
+                        facts = self.facts
                         count = await self._tokenizer.count(waiting.query, facts, waiting.authorization)
                 except TimeoutError:
                     raise TokenizerUnavailable(f"no answer within {self._limits.timeout_s:g} s", "timeout") from None

@@ -57,6 +57,8 @@ GPU_SERIES = {"llm_proxy_gpu_memory_used_bytes", "llm_proxy_gpu_memory_free_byte
               "llm_proxy_gpu_memory_total_bytes", "llm_proxy_gpu_utilization_ratio"}
 MAY_BE_EMPTY = {
     "llm_proxy_parse_errors_total": "the simulator's streams are well formed",
+    "llm_proxy_server_tokenizer_requests_total": "every length stop of the load carries its count: none is "
+                                                 "left to the server's tokenizer",
 }
 
 pytestmark = [
@@ -411,7 +413,9 @@ def test_histogram_exemplars_reach_prometheus_and_name_real_records(stack: Stack
     request_ids = {e["labels"]["request_id"] for series in answer["data"] for e in series["exemplars"]}
     assert request_ids, "no exemplar stored for the time-to-first-token histogram"
     found = 0
-    for request_id in sorted(request_ids)[:5]:
+    # Every id, not a few: the restarted proxy's earlier records are gone (its ring was in memory), and
+    # a few ids picked by sort order could all be among them.
+    for request_id in sorted(request_ids):
         for admin in stack.admin_urls:
             try:
                 record = get_json(f"{admin}/api/requests/{request_id}")

@@ -38,7 +38,7 @@ UNIFIED_PROMPT_TOKENS = 403  # one answer (444) fits; a second prompt beside it 
 # so two requests that overlap at all both fail, however far apart they started
 SERVER_FIXTURES = frozenset({
     "tiny_model", "eos_model", "split_server", "long_server", "eos_single_server", "eos_split_server",
-    "eos_unified_server",
+    "eos_unified_server", "eos_shift_server",
 })
 PYTHON_SERVER_FIXTURES = frozenset({"python_server", "python_eos_server"})
 PYTHON_SKIP_REASON = (
@@ -120,6 +120,13 @@ def eos_split_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) 
 def eos_unified_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
     """Answers end on their own; 4 slots drawing on one 512-token pool: one answer fits, two do not."""
     yield from _server(tmp_path_factory, eos_model, "eos-unified", EOS_UNIFIED_CTX, 4, "--kv-unified")
+
+
+@pytest.fixture(scope="session")
+def eos_shift_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path) -> Iterator[LlamaServer]:
+    """Answers end on their own; 4 slots of 256 with --context-shift: a slot that fills drops the
+    oldest tokens after n_keep (the head of the prompt) and goes on to the answer's end."""
+    yield from _server(tmp_path_factory, eos_model, "eos-shift", EOS_SPLIT_CTX, 4, "--context-shift")
 
 
 def _python_server(tmp_path_factory: pytest.TempPathFactory, model: Path, name: str) -> Iterator[LlamaCppPythonServer]:

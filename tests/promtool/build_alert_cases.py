@@ -205,6 +205,16 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyContextExhausted", job="llm-diag-proxy", kind="context_exhausted")]},
         {"eval_time": "35m", "alertname": "LLMProxyContextExhausted", "exp_alerts": []},
     ])
+    # --- LLMProxyPromptTruncated
+    case("a prompt cut on the way in fires for its model; a model whose prompts stay whole does not", [
+        s("llm_proxy_prompt_truncated_total", 'model="qwen3:4b"', "0x10 1x30"),
+        s("llm_proxy_prompt_truncated_total", 'model="llama3.2"', "0x40"),
+    ], [
+        {"eval_time": "5m", "alertname": "LLMProxyPromptTruncated", "exp_alerts": []},
+        {"eval_time": "15m", "alertname": "LLMProxyPromptTruncated",
+         "exp_alerts": [fired("LLMProxyPromptTruncated", job="llm-diag-proxy", model="qwen3:4b")]},
+        {"eval_time": "35m", "alertname": "LLMProxyPromptTruncated", "exp_alerts": []},
+    ])
     # --- LLMProxyGPUMemoryNearlyFull
     case("a GPU with under 3% free for 5 minutes fires; vLLM's usual 10% headroom does not", [
         s("llm_proxy_gpu_memory_free_bytes", G0, "8e9x5 1e9x20"),

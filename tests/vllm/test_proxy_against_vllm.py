@@ -22,6 +22,7 @@ from proxy.record import ResponseRecord
 from proxy.telemetry.samples import SampleRing
 from proxy.telemetry.upstream import UpstreamPoller, UpstreamState
 from tests.support.proxies import record_for
+from tests.support.relay import blocking_relay
 from tests.support.tee import ByteTee, first_http_response
 from tests.vllm.conftest import EOS_AFTER
 from tests.vllm.vllm_server import MAX_MODEL_LEN, SERVED_NAME, VllmServer
@@ -172,7 +173,9 @@ async def test_a_stop_at_the_clients_budget_is_never_a_server_limit(vllm: VllmSe
         shown = sum(1 for text in chain["texts"][:40] if text)  # at most: a chunk may also carry two tokens
         assert shown < 40 and record.tokens_source == "counted"
         assert record.output_tokens is not None and 0 < record.output_tokens <= shown
-        assert record.length_cause == "unknown"
+        # the count cannot tell; vLLM's own tokenizer and budget rule can: 8 + 40 <= 512
+        assert (record.length_cause, record.length_cause_source) == ("requested_budget", "server_tokenizer")
+        assert (record.prompt_tokens, record.prompt_tokens_source, record.context_tokens) == (8, "tokenizer", 512)
     assert record.truncation_cause != "server_limit"
     record, _ = await whole_chat(running, max_tokens=40)
     assert (record.length_cause, record.output_tokens) == ("requested_budget", 40)
@@ -188,8 +191,30 @@ async def test_eight_concurrent_budget_stops_are_never_server_limits(vllm: VllmS
                                                      client=client) for _ in range(8)))
     for record, _ in results:
         assert record.stop_reason == "length"
-        assert record.length_cause == ("requested_budget" if include_usage else "unknown")
+        assert record.length_cause == "requested_budget"
+        assert record.length_cause_source == ("output_count" if include_usage else "server_tokenizer")
         assert record.output_tokens is not None and record.output_tokens <= 200
+
+
+async def test_a_budget_clamped_to_the_context_without_usage_is_a_server_limit_by_vllms_tokenizer(
+        vllm: VllmServer, proxy_for: Any) -> None:
+    """The seed's central case, as most clients send it: no usage chunk, only counted tokens."""
+    running = await proxy_for(vllm.url)
+    record, _ = await stream_chat(running, max_tokens=300, include_usage=False, prompt=LONG_PROMPT)
+    assert (record.stop_reason, record.tokens_source) == ("length", "counted")
+    assert (record.length_cause, record.length_cause_source) == ("server_limit", "server_tokenizer")
+    assert (record.prompt_tokens, record.context_tokens) == (324, MAX_MODEL_LEN)
+    assert record.length_cause_detail is not None and "cut the budget to 188" in record.length_cause_detail
+
+
+async def test_a_server_whose_tokenizer_is_blocked_keeps_the_cause_unknown(vllm: VllmServer, proxy_for: Any) -> None:
+    """A relay in front of vLLM that refuses /tokenize: the proxy says why it could not decide."""
+    async with blocking_relay(vllm.url, "/tokenize") as relay:
+        running = await proxy_for(relay)
+        record, _ = await stream_chat(running, max_tokens=40, include_usage=False)
+    assert (record.length_cause, record.length_cause_source) == ("unknown", "counted")
+    assert record.length_cause_detail is not None and "403" in record.length_cause_detail
+    assert record.truncation_cause != "server_limit"
 
 
 async def test_a_budget_clamped_to_the_context_is_a_server_limit(vllm: VllmServer, proxy_for: Any) -> None:
@@ -198,6 +223,7 @@ async def test_a_budget_clamped_to_the_context_is_a_server_limit(vllm: VllmServe
     record, _ = await stream_chat(running, max_tokens=300, include_usage=True, prompt=LONG_PROMPT)
     assert (record.stop_reason, record.length_cause) == ("length", "server_limit")
     assert record.prompt_tokens is not None and record.output_tokens is not None
+    assert record.prompt_truncated is False  # vLLM refuses a prompt over max_model_len; it never cuts one
     assert record.prompt_tokens + record.output_tokens == MAX_MODEL_LEN and record.output_tokens < 300
     record, _ = await whole_chat(running, max_tokens=300, prompt=LONG_PROMPT)
     assert (record.length_cause, record.output_tokens) == ("server_limit", MAX_MODEL_LEN - 324)
