@@ -157,16 +157,23 @@ class ServerTokenizer:
         raise TokenizerUnavailable(f"no tokenizer is known for this server ({facts.kind})", "unavailable")
 
     async def _post(self, path: str, payload: dict[str, Any] | bytes, headers: dict[str, str]) -> Any:
+        """One tokenizer call. Counting has no side effect, so a pooled connection the server closed
+        under it (uvicorn's keep-alive timer, say) is tried once more on another."""
         body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-        try:
-            async with self._session.post(self._base + path, data=body, headers=headers,
-                                          allow_redirects=False) as response:
-                answer = await response.content.read(MAX_ANSWER_BYTES + 1)
-                status = response.status
-        except TimeoutError:
-            raise TokenizerUnavailable(f"POST {path} timed out", "timeout") from None
-        except aiohttp.ClientError as exc:
-            raise TokenizerUnavailable(f"POST {path}: {type(exc).__name__}") from None
+        for attempt in (1, 2):
+            try:
+                async with self._session.post(self._base + path, data=body, headers=headers,
+                                              allow_redirects=False) as response:
+                    answer = await response.content.read(MAX_ANSWER_BYTES + 1)
+                    status = response.status
+                break
+            except TimeoutError:
+                raise TokenizerUnavailable(f"POST {path} timed out", "timeout") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2:
+                    raise TokenizerUnavailable(f"POST {path}: {type(exc).__name__}") from None
+            except aiohttp.ClientError as exc:
+                raise TokenizerUnavailable(f"POST {path}: {type(exc).__name__}") from None
         if status == 404:
             raise TokenizerUnavailable(f"POST {path} answered 404", "unavailable")
         if status != 200:

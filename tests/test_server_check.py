@@ -20,7 +20,7 @@ from proxy.app import RunningProxy, start_proxy
 from proxy.prompt_rules import PromptCount
 from proxy.record import ResponseRecord
 from proxy.recorder import Recorder, TokenizerQuery
-from proxy.server_check import CheckLimits, ServerCheck, ServerFactsProbe, TokenizerUnavailable
+from proxy.server_check import CheckLimits, ServerCheck, ServerFactsProbe, ServerTokenizer, TokenizerUnavailable
 from proxy.server_info import ServerFacts, ServerInfo, read_server_facts
 from tests.support.proxies import ProxyFactory, proxy_config, record_for
 from tests.support.vllm_upstream import MODEL, FakeVllm
@@ -367,3 +367,30 @@ async def test_what_was_known_survives_a_server_that_stops_answering() -> None:
         await server.close()
         assert (await probe.probe()).kind == "unknown"
         assert probe.facts.kind == "vllm"
+
+
+async def test_a_connection_the_server_closed_under_a_count_is_tried_once_more() -> None:
+    """Counting has no side effect: unlike a client's POST, it may go again on another connection."""
+    calls = 0
+
+    async def tokenize(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            assert request.transport is not None
+            request.transport.close()  # gone before any answer, as a keep-alive timer does it
+            return web.Response()
+        return web.json_response({"count": 9, "max_model_len": 512, "tokens": list(range(9))})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            tokenizer = ServerTokenizer(session, str(server.make_url("")).rstrip("/"))
+            query = TokenizerQuery("openai", "/v1/chat/completions", "m", orjson.dumps({"messages": PROMPT}), 40, None)
+            count = await tokenizer.count(query, KnownServer().facts)
+    finally:
+        await server.close()
+    assert (count.tokens, count.context, calls) == (9, 512, 2)
