@@ -6,7 +6,10 @@ user turn answered with nothing, and thinking that spends the whole num_predict.
 from __future__ import annotations
 
 import asyncio
+import re
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import ollama
@@ -21,6 +24,7 @@ from proxy.sweep.verdict import decide
 from tests.support.ollama_upstream import MODEL, FakeOllama
 from tests.support.proxies import ProxyFactory, record_for
 
+ROOT = Path(__file__).resolve().parent.parent
 LONG_CHAT = [{"role": "system", "content": "You are the tool-using agent. Tools: search, read, write."},
              *[{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "lorem ipsum dolor " * 30}
                for i in range(12)]]
@@ -193,3 +197,30 @@ async def test_thinking_that_spends_max_tokens_is_mostly_reasoning_on_ollamas_v1
     record = await record_for(running, rid)
     assert (record.stop_reason, record.reasoning_tokens, record.visible_tokens) == ("length", record.output_tokens, 0)
     assert record.budget_mostly_reasoning
+
+
+async def test_diagnose_names_prompts_cut_under_load_from_live_records(
+        fake: FakeOllama, make_proxy: ProxyFactory, tmp_path: Path) -> None:
+    """Live traffic, not a sweep: one request at a time, then bursts of four; the history's records alone
+    say that prompts are cut from concurrency 4, and the command says which sweep would settle it."""
+    fake.context, fake.split, fake.answer, fake.token_delay_s = 512, True, 30, 0.004
+    history = tmp_path / "history.sqlite3"
+    running = await make_proxy(fake.url, history_path=str(history))
+    client = ollama.AsyncClient(host=running.proxy_url)
+    messages = [{"role": "user", "content": "word " * 300}]
+    for _ in range(6):
+        await client.chat(model=MODEL, messages=messages, options={"num_predict": 64})
+    for _ in range(3):
+        await asyncio.gather(*(client.chat(model=MODEL, messages=messages, options={"num_predict": 64})
+                               for _ in range(4)))
+    assert running.history is not None
+    while running.history.written < 18:
+        await asyncio.sleep(0.05)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "diagnose", "--history", str(history), "--min-per-level", "3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
+    out, err = await process.communicate()
+    text = out.decode()
+    assert process.returncode == 0, err.decode()
+    assert "VERDICT (serving_defect): prompts are cut on the way in from concurrency 4" in text, text
+    assert re.search(r"prompt_truncated \d+", text) and "llm-diag-proxy sweep" in text

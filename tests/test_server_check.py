@@ -394,3 +394,32 @@ async def test_a_connection_the_server_closed_under_a_count_is_tried_once_more()
     finally:
         await server.close()
     assert (count.tokens, count.context, calls) == (9, 512, 2)
+
+
+async def test_with_workers_each_asks_the_tokenizer_and_the_supervisor_counts_it(
+        vllm: FakeVllm, tmp_path: Any) -> None:
+    from tests.support.proxies import start_served
+
+    served = await start_served(vllm.url, tmp_path, "--upstream-metrics", "vllm", workers=2)
+    try:
+        await asyncio.sleep(1.0)  # each worker has identified the server
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "messages": PROMPT, "max_tokens": 60, "stream": True}
+                async with session.post(served.proxy_url + "/v1/chat/completions", json=body,
+                                        headers={"X-Request-Id": f"wk-{i}"}) as response:
+                    await response.read()
+
+            await asyncio.gather(*(one(i) for i in range(6)))
+            for _ in range(300):
+                async with session.get(served.admin_url + "/api/requests?limit=50") as response:
+                    listed = orjson.loads(await response.read())["records"]
+                if len(listed) == 6:
+                    break
+                await asyncio.sleep(0.02)
+            async with session.get(served.admin_url + "/metrics") as response:
+                text = await response.text()
+        assert sorted(r["length_cause_source"] for r in listed) == ["server_tokenizer"] * 6
+        assert 'llm_proxy_server_tokenizer_requests_total{result="decided"} 6.0' in text
+    finally:
+        served.stop()

@@ -21,6 +21,7 @@ from proxy.telemetry.samples import SampleRing
 from proxy.telemetry.upstream import (
     LoadedModel,
     UpstreamPoller,
+    UpstreamSeries,
     UpstreamState,
     parse_ollama_ps,
     parse_prometheus_state,
@@ -42,6 +43,30 @@ def test_vllm_v0_engine_metrics_use_gpu_cache_usage_perc_and_num_preemptions_tot
 def test_vllm_v1_engine_metrics_sum_counts_over_engines_and_take_the_fullest_kv_cache() -> None:
     assert parse_prometheus_state(VLLM_V1) == UpstreamState(
         source="vllm", running=9.0, waiting=2.0, kv_cache_usage=0.81, preemptions_total=5.0)
+
+
+def test_vllms_per_request_preemption_histogram_gives_preemptions_per_finished_request() -> None:
+    """vllm/v1/metrics/loggers.py observes each finished request's own preemption count."""
+    text = ("# TYPE vllm:request_num_preemptions histogram\n"
+            'vllm:request_num_preemptions_bucket{engine="0",le="1.0",model_name="m"} 6.0\n'
+            'vllm:request_num_preemptions_bucket{engine="0",le="+Inf",model_name="m"} 8.0\n'
+            'vllm:request_num_preemptions_count{engine="0",model_name="m"} 8.0\n'
+            'vllm:request_num_preemptions_sum{engine="0",model_name="m"} 5.0\n'
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 5.0\n')
+    state = parse_prometheus_state(text)
+    assert state is not None and (state.request_preemptions_total, state.requests_finished_total) == (5.0, 8.0)
+    metrics = ProxyMetrics()
+    UpstreamSeries(metrics).update(state)
+    page = generate_latest(metrics.registry).decode()
+    assert "llm_proxy_upstream_finished_request_preemptions_total 5.0" in page
+    assert "llm_proxy_upstream_finished_requests_total 8.0" in page
+
+
+def test_sglang_counts_its_retracted_requests_as_preemptions() -> None:
+    """python/sglang/srt/observability/metrics_collector.py: retraction is SGLang's preemption."""
+    text = ('sglang:num_running_reqs{model_name="m"} 2.0\n'
+            'sglang:num_retracted_requests_total{model_name="m"} 4.0\n')
+    assert parse_prometheus_state(text) == UpstreamState(source="sglang", running=2.0, preemptions_total=4.0)
 
 
 def test_kv_cache_usage_perc_wins_over_the_deprecated_gpu_cache_usage_perc() -> None:

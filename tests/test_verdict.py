@@ -182,3 +182,43 @@ def test_answers_past_the_servers_context_are_named_a_context_shift() -> None:
     assert v.kind == "no_load_effect"
     assert any("9 of 9 answers ran past the 256-token context the server says a request gets (prompt + output "
                "up to 300): it shifted the context" in line for line in v.evidence), v.evidence
+
+
+def test_prompts_cut_from_a_concurrency_on_are_a_serving_defect_though_every_answer_ended_by_eos() -> None:
+    cut = {"prompt_truncated": True, "prompt_tokens": 1026, "context_tokens": 2048,
+           "prompt_truncated_detail": "the server evaluated 1,026 prompt tokens (context 2,048 tokens), while the "
+                                      "user's turns alone hold 9,000 words, each at least one token: it cut the prompt"}
+    samples = level(1, 4) + level(2, 8) + level(4, 4) + level(4, 12, **cut) + level(8, 32, **cut)
+    v = verdict(samples)
+    assert (v.kind, v.cause, v.onset_level) == ("serving_defect", "prompt_truncated", 4)
+    assert v.headline.startswith("prompts are cut on the way in from concurrency 4")
+    assert any("evaluated 1026 prompt tokens" in line and "context 2,048" in line for line in v.evidence)
+    assert any("OLLAMA_NUM_PARALLEL" in line for line in v.evidence)
+    assert "num_ctx" in v.recommendation and "concurrency below 4" in v.recommendation
+
+
+def test_prompts_cut_already_alone_are_a_baseline_not_a_load_effect() -> None:
+    cut = {"prompt_truncated": True, "prompt_tokens": 130, "context_tokens": 256}
+    v = verdict(level(1, 4, **cut) + level(2, 8, **cut))
+    assert (v.kind, v.cause) == ("baseline_truncation", "prompt_truncated")
+    assert "not a load effect" in v.recommendation
+    assert not any("OLLAMA_NUM_PARALLEL" in line for line in v.evidence)
+
+
+def test_a_chat_with_no_user_turn_is_named_with_what_to_send() -> None:
+    nothing = {"stop": "not_generated", "tokens": 0, "user_turn": False, "finish_reason_raw": "load",
+               "stop_detail": "the server generated nothing (done_reason 'load'): the chat has no user turn"}
+    v = verdict(level(1, 4, **nothing) + level(2, 8, **nothing))
+    assert (v.kind, v.cause) == ("baseline_truncation", "not_generated:no_user_turn")
+    assert "the chat has no user turn" in v.headline
+    assert any("never generated: the server generated nothing" in line for line in v.evidence)
+    assert v.recommendation.startswith("send at least one user turn")
+
+
+def test_a_budget_spent_thinking_says_the_answer_got_nothing() -> None:
+    thought = {"stop": "length", "length_cause": "requested_budget", "tokens": 200, "reasoning_tokens": 200,
+               "visible_tokens": 0, "reasoning_share": 1.0}
+    v = verdict(level(1, 4, **thought) + level(2, 8, **thought))
+    assert (v.kind, v.cause) == ("baseline_truncation", "length:requested_budget")
+    assert any("4 of them showed no answer at all: the answer budget went to thinking" in line for line in v.evidence)
+    assert "mostly to reasoning" in v.recommendation

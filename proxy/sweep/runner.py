@@ -280,10 +280,13 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
         await probe(session, plan.target + "/", "target", {})
         if plan.admin is not None:
             await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
-        run = SweepRun([], await read_server_info(session, plan.target, plan.model))
+        run = SweepRun([])
+        send_id = await warm_up(session, plan, request_body(plan), run.notes)
+        # After the warm-up: a llama.cpp router has loaded the model by then, and only a loaded
+        # model's context can be read (a state read never loads one).
+        run.server = await read_server_info(session, plan.target, plan.model)
         facts = await read_server_facts(session, plan.target, (plan.model,))
         server = ServerSide(facts, ServerTokenizer(session, plan.target))
-        send_id = await warm_up(session, plan, request_body(plan), run.notes)
         for level in plan.levels:
             on_level_start(level)
             t0 = time.monotonic()

@@ -138,6 +138,7 @@ class FakeOllama:
                      "eval_count": len(pieces), "eval_duration": 400}
             if stream:
                 return await self._ndjson(request, [*lines, final])
+            await asyncio.sleep(self.token_delay_s * len(pieces))  # generating, while others come in
             content = "".join(t for k, t in pieces if k == "content")
             thinking = "".join(t for k, t in pieces if k == "thinking")
             final["message"] = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}

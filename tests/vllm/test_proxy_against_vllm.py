@@ -456,7 +456,7 @@ async def test_vllms_own_metrics_pass_through_and_the_poller_reads_their_real_na
         assert resp.status == 200
         text = await resp.text()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total", 'finished_reason="repetition"'):
+                 "vllm:num_preemptions_total", 'finished_reason="repetition"', "vllm:request_num_preemptions_sum"):
         assert name in text
     ring: SampleRing[UpstreamState] = SampleRing(10)
     async with aiohttp.ClientSession() as session:
@@ -466,7 +466,8 @@ async def test_vllms_own_metrics_pass_through_and_the_poller_reads_their_real_na
     assert latest is not None
     state = latest[1]
     assert state.source == "vllm"
-    assert None not in (state.running, state.waiting, state.kv_cache_usage, state.preemptions_total)
+    assert None not in (state.running, state.waiting, state.kv_cache_usage, state.preemptions_total,
+                        state.request_preemptions_total, state.requests_finished_total)
 
 
 async def test_vllm_does_not_count_aborts_the_proxy_does(vllm: VllmServer, proxy_for: Any) -> None:
