@@ -58,6 +58,7 @@ class WireFacts:
     stop_token_ids: tuple[int, ...] = ()
     streamed: bool = False  # the body was a stream of events, not one JSON document
     has_prompt: bool = False  # the request asked for a generation (it carried messages or a prompt)
+    request_read: bool = True  # False: the request body was not read, so its budget is not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,8 @@ def _finished(finish: Finish, facts: WireFacts) -> Diagnosis:
     if finish.stop == "length":
         if finish.context_limit:  # the server says the context, not the budget, ended it
             return Diagnosis("length", length_cause="server_limit", length_cause_source="server_finish")
+        if not facts.request_read:  # no budget read is not "no budget asked"
+            return Diagnosis("length", length_cause="unknown", length_cause_source="request_unread")
         cause, source = length_cause_with_source(facts.output_tokens, facts.requested_max_tokens, facts.n,
                                                  exact=facts.tokens_exact)
         return Diagnosis("length", length_cause=cause, length_cause_source=source)

@@ -59,8 +59,10 @@ LengthCause = Literal["requested_budget", "server_limit", "unknown"]
 # How a length cause was decided: the output's count against the budget (`output_count`), no budget
 # asked (`no_budget`), the server naming the context (`server_finish`), or the prompt counted by the
 # server's own tokenizer against its context (`server_tokenizer`); `counted` for an `unknown` whose
-# count was only a lower bound, `none` for one with no count at all.
-LengthCauseSource = Literal["output_count", "no_budget", "server_finish", "server_tokenizer", "counted", "none"]
+# count was only a lower bound, `none` for one with no count at all, `request_unread` when the proxy
+# could not read what budget the client asked for (over the parse cap, not JSON).
+LengthCauseSource = Literal["output_count", "no_budget", "server_finish", "server_tokenizer", "counted", "none",
+                            "request_unread"]
 UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort",
                             "context_exhausted", "exceeds_context"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]

@@ -249,7 +249,8 @@ class Recorder:
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
             n=record.n, stop_requested=info.stop_requested, stop_token_ids=info.stop_token_ids,
-            streamed=tally.streaming, has_prompt=info.has_prompt))
+            streamed=tally.streaming, has_prompt=info.has_prompt,
+            request_read=info.body_parsed or self._dialect is None))
         record.stop_reason = diagnosis.stop_reason
         record.stop_reason_certain = diagnosis.certain
         record.length_cause = diagnosis.length_cause
@@ -261,6 +262,8 @@ class Recorder:
                                   + ("the chat has no user turn" if info.user_turn is False
                                      else "it treated the request as a model load"))
         self._fill_prompt(server)
+        if record.length_cause_source == "request_unread":
+            record.length_cause_detail = f"not decided: the request was not read ({info.body_note or 'no body'})"
         if self._client_gone:
             record.client_disconnected = True
             record.disconnect_phase = "before_first_token" if tally.first_token_at is None else "mid_stream"

@@ -222,3 +222,18 @@ def test_a_length_stop_whose_tokens_were_counted_asks_the_servers_tokenizer() ->
     for chunk in openai_stream(40, "length", usage=True):
         with_usage.chunk(chunk, 0.01)
     assert with_usage.finish(1.0).length_cause == "server_limit" and with_usage.tokenizer_query() is None
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_a_length_stop_whose_request_was_not_read_is_no_server_limit(usage: bool) -> None:
+    """A budget the proxy could not read is not a budget the client did not ask for."""
+    recorder = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(None, "request body over the 10-byte parse cap: not parsed")
+    recorder.response_head(200, SSE)
+    for chunk in openai_stream(40, "length", usage=usage):
+        recorder.chunk(chunk, 0.01)
+    record = recorder.finish(1.0)
+    assert (record.length_cause, record.length_cause_source) == ("unknown", "request_unread")
+    assert record.length_cause_detail == "not decided: the request was not read (request body over the 10-byte " \
+                                        "parse cap: not parsed)"
+    assert recorder.tokenizer_query() is None
