@@ -59,10 +59,11 @@ async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
 
 
 def proxy_application(config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
-                      budget: ByteBudget, check: ServerCheck | None = None) -> Forwarder:
+                      budget: ByteBudget, check: ServerCheck | None = None,
+                      on_refused: Callable[[str], None] = lambda reason: None) -> Forwarder:
     """The forwarding path: its `handle` answers every request on the proxy port (see `listen`).
     Its owner closes it (`Forwarder.close`: its pool of upstream connections)."""
-    return Forwarder(config, observers, concurrency, budget, check)
+    return Forwarder(config, observers, concurrency, budget, check, on_refused)
 
 
 def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None], on_result: Callable[[str], None],
@@ -186,7 +187,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
     check = server_check(config, chain.response_finished, metrics.count_tokenizer)
-    forwarder = proxy_application(config, chain, concurrency, budget, check)
+    forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
                                 history=history)

@@ -14,17 +14,21 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
+import structlog
 from aiohttp import web
+from aiohttp.http import HttpVersion10, StreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
 from proxy.config import ProxyConfig
 from proxy.deadlines import Deadlines
+from proxy.http1 import Refusal, only_chunked, request_refusal, trailer_section
 from proxy.observers import ObserverChain
 from proxy.recorder import ParseLimits, Recorder
 from proxy.request_body import Outgoing, RequestBody
@@ -32,12 +36,14 @@ from proxy.server_check import ServerCheck
 from proxy.server_info import UNKNOWN_SERVER
 from proxy.upstream_client import InvalidResponse, SendCount, UpstreamPool, UpstreamResponse, UpstreamUnreachable
 
+_log = structlog.get_logger("llm_diag_proxy")
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
-# RFC 9110 section 7.6.1 hop-by-hop fields, plus the ones aiohttp computes itself.
+# RFC 9110 section 7.6.1 hop-by-hop fields, plus the ones aiohttp computes itself. `Trailer` (which
+# fields a trailer section holds) is end to end: it goes with the trailers the proxy passes on.
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    "te", "trailers", "transfer-encoding", "upgrade",
 })
 # `Expect: 100-continue` is answered by the proxy itself (it reads the body before it connects): sent
 # on, the upstream would wait for a body the proxy has already sent, or the client for a second 100.
@@ -115,23 +121,38 @@ def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[Non
 
 
 class RelayedResponse(web.StreamResponse):
-    """The upstream's response head as aiohttp sends it, less the `Content-Type` aiohttp adds to a
-    body the upstream sent without one: a proxy passes on what the server said, not a guess."""
+    """The upstream's response head as aiohttp sends it, less what aiohttp adds to a head the
+    upstream sent without it: `Content-Type` (a guess), `Date` (the upstream's clock or none) and
+    `Server` (it names aiohttp's version): a proxy passes on what the server said."""
 
-    without_content_type = False
+    added: frozenset[str] = frozenset()  # the fields aiohttp adds that the upstream did not send
 
     async def _prepare_headers(self) -> None:
         await super()._prepare_headers()
-        if self.without_content_type:
-            self.headers.popall("Content-Type", None)
+        for name in self.added:
+            self.headers.popall(name, None)
+
+
+class OwnResponse(web.Response):
+    """The proxy's own answer (when the upstream gave none): with a `Date`, as an origin's answer
+    has, and no `Server` (aiohttp's would name its version)."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Server", None)
+
+
+_ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
 
 
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
     def __init__(self, config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
-                 budget: ByteBudget, check: ServerCheck | None = None) -> None:
+                 budget: ByteBudget, check: ServerCheck | None = None,
+                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
+        self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
         self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
         self.observers = observers
         self.check = check  # what only the server can still say, asked after each response
@@ -155,6 +176,10 @@ class Forwarder:
             deadlines.shutdown()
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        refusal = request_refusal(request.method, request.version, request.raw_path,
+                                  request.headers.get("Transfer-Encoding"))
+        if refusal is not None:
+            return self._refuse(request, refusal)
         started = time.monotonic()
         recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
                                   request.path, limits=self.limits, started=started)
@@ -179,6 +204,29 @@ class Forwarder:
             recorder.concurrency(at_start, peak, mean)
             exchange.body.release()
             exchange.finish()
+
+
+    def _refuse(self, request: web.BaseRequest, refusal: Refusal) -> web.StreamResponse:
+        """A request the relay does not forward: a JSON error, counted, one log line, the connection
+        closed (what follows on it cannot be framed). A request line without a version is answered
+        as HTTP/1.1: aiohttp would answer in the request's own version, `HTTP/0.9 400`."""
+        self.on_refused(refusal.reason)
+        _log.warning("refused_request", reason=refusal.reason, method=request.method[:16], status=refusal.status)
+        response = OwnResponse(status=refusal.status, body=error_body(refusal.kind, refusal.message),
+                               content_type="application/json",
+                               headers={"Allow": "GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH"}
+                               if refusal.status == 405 else None)
+        response.force_close()
+        transport = request.transport
+        if request.version < HttpVersion10 and transport is not None:
+            # Written here, whole; aiohttp's own write of `response` then meets a closed connection,
+            # which it takes quietly (a client gone).
+            body = error_body(refusal.kind, refusal.message)
+            transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                            b"Connection: close\r\n\r\n%s" % (refusal.status, response.reason.encode(), len(body),
+                                                                 body))
+            transport.close()
+        return response
 
 
 class _Exchange:
@@ -265,8 +313,8 @@ class _Exchange:
 
     def _answer(self, status: int, kind: str, message: str) -> web.Response:
         """The proxy's own JSON answer, for when the upstream gave none."""
-        response = web.Response(status=status, body=error_body(kind, message, upstream=self.base),
-                                content_type="application/json")
+        response = OwnResponse(status=status, body=error_body(kind, message, upstream=self.base),
+                               content_type="application/json")
         self._stamp(response)
         return response
 
@@ -282,11 +330,18 @@ class _Exchange:
 
     async def _relay(self, upstream: UpstreamResponse) -> web.StreamResponse:
         recorder, deadlines = self.recorder, self.deadlines
+        coding = upstream.headers.get("Transfer-Encoding")
+        if not only_chunked(coding):
+            # The proxy reframes a body as chunked: gzip or another coding under it would be lost.
+            detail = "upstream answered with a transfer coding other than chunked, which the proxy does not relay"
+            recorder.no_answer("reset", detail, 502)
+            return self._answer(502, "upstream_invalid_response", detail)
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
                                    headers=_filtered(upstream.headers, _RESPONSE_SKIP))
-        response.without_content_type = "Content-Type" not in upstream.headers
+        response.added = frozenset(name for name in _ADDED_BY_AIOHTTP if name not in upstream.headers)
         length = upstream.content_length
-        if length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", "").lower():
+        chunked = coding is not None
+        if length is not None and not chunked:
             response.content_length = length
         else:
             length = None
@@ -346,10 +401,21 @@ class _Exchange:
             recorder.body_ended(clock())
             self.max_gap = max_gap
         try:
+            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked else None
+            writer = self.request.writer
+            if trailers is not None and isinstance(writer, StreamWriter) and writer.chunked:
+                await self._end_with_trailers(response, writer, trailers)
             await response.write_eof()
         except ConnectionError:  # gone before the end of the body reached it, as above
             recorder.client_left()
         return response
+
+    @staticmethod
+    async def _end_with_trailers(response: web.StreamResponse, writer: StreamWriter, trailers: bytes) -> None:
+        """The last chunk with the upstream's trailer fields, as they came: aiohttp's own end of a
+        chunked body has no room for them, so the end is written here and the writer told so."""
+        writer.chunked = False  # what follows goes out as it is: the last chunk and the trailer section
+        await response.write(b"0\r\n" + trailers + b"\r\n")
 
     async def _end_visibly(self, response: web.StreamResponse, media: str,
                            upstream: UpstreamResponse) -> None:

@@ -24,9 +24,9 @@ written into a socket the server is closing, and be lost. So a connection that c
 streamed answer rests SETTLE_S in the pool before it is used again; a request in that time gets
 another connection or a fresh one.
 
-A request that dies on a pooled connection before its answer began is sent once more on another
-connection when its method is idempotent (RFC 9112 section 9.3.1) and its body is held; a POST
-never, so a server never generates twice.
+A request that dies on a pooled connection before one byte of its answer came is sent once more on
+another connection when its method is idempotent (RFC 9112 section 9.3.1) and its body is held; a
+POST never, so a server never generates twice.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.config import ProxyConfig
+from proxy.http1 import upstream_target
 from proxy.request_body import Outgoing
 
 POOLED_IDLE_S = 3.0
@@ -90,15 +91,29 @@ class Connection(ResponseHandler):
         super().__init__(loop)
         self.sock: Any = None
         self.parses_head: bool | None = None  # None: no parser yet
+        self.received = 0  # bytes of the current answer that have come: a request is sent again only at 0
+        self._last: tuple[bytes, bytes] = (b"", b"")  # the last two reads, as they came (a chunked end)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.sock = transport.get_extra_info("socket")
 
+    def data_received(self, data: bytes) -> None:
+        if data:  # aiohttp calls it with nothing to resume a paused read
+            self.received += len(data)
+            self._last = (self._last[1], data)
+        super().data_received(data)
+
+    def raw_tail(self) -> bytes:
+        """The last bytes that came, as they came: the end of a chunked body, with its trailer section."""
+        return self._last[0] + self._last[1]
+
     def expect_answer(self, head: bool) -> None:
         """Ready the parser for the answer to the request about to be written. aiohttp makes a
         new parser per request; llhttp reads one answer after another on a keep-alive
         connection, so one is made again only when the kind of answer changes."""
+        self.received = 0
+        self._last = (b"", b"")
         if self.parses_head is head:
             return
         self.parses_head = head
@@ -240,14 +255,15 @@ class UpstreamPool:
         chunked = body is not None and not isinstance(body, memoryview) and "Content-Length" not in headers
         if chunked:
             headers["Transfer-Encoding"] = "chunked"
-        head = _request_head(method, self.prefix + target, self.authority, headers)
+        head = _request_head(method, upstream_target(self.prefix, target), self.authority, headers)
         again = method in SENT_AGAIN and not chunked and (body is None or isinstance(body, memoryview))
         while True:
             protocol, pooled = await self._connection()
             try:
                 return await self._exchange(protocol, method, head, body, chunked)
             except (ClientOSError, ServerDisconnectedError):
-                if not (again and pooled):
+                # Sent again only when not one byte of its answer came: a begun answer is an answer.
+                if not (again and pooled and protocol.received == 0):
                     raise
                 again = False
                 count.retries += 1
@@ -275,8 +291,10 @@ class UpstreamPool:
                     message, payload = await protocol.read()
                 except HttpProcessingError as exc:
                     raise InvalidResponse(str(exc.message)) from exc
-                if not 100 <= message.code <= 199 or message.code == 101:
-                    break
+                if message.code == 101:  # the proxy forwards no Upgrade: nobody asked to switch
+                    raise InvalidResponse("an upgrade (101 Switching Protocols) the client did not ask for")
+                if not 100 <= message.code <= 199:
+                    break  # an interim 1xx (100, 102, 103) is not the answer, and is not relayed
         except BaseException:
             if writer is not None:
                 writer.cancel()

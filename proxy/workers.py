@@ -134,7 +134,7 @@ async def _worker(args: WorkerArgs) -> None:
     tracker = InFlightTracker(counts=args.counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget)
     check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
-    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check)
+    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
