@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
+import math
+import secrets
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,10 +54,14 @@ def parse_time(name: str, value: str) -> float:
     """Unix seconds, ISO 8601 (`2026-12-03T10:00:00Z`; without a zone: UTC), or an age back from
     now as `diagnose --since` takes it (`90s`, `30m`, `1h`, `7d`, `2w`)."""
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         pass
-    if value[-1:].lower() in "smhdw" and value[:-1].replace(".", "", 1).isdigit():
+    else:
+        if not math.isfinite(number):
+            raise BadQuery(f"{name} must be a finite time, got {value[:40]!r}")
+        return number
+    if value[-1:].lower() in "smhdw" and value[:-1].replace(".", "", 1).isdigit() and len(value) <= 20:
         return time.time() - parse_duration(value)
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
@@ -72,13 +79,27 @@ def _choice(query: dict[str, str], name: str, allowed: Sequence[str]) -> str | N
     return value
 
 
+MAX_CURSOR = (1 << 63) - 1  # a cursor is a SQLite rowid: a signed 64-bit integer
+
+
+def bounded_int(text: str, low: int, high: int) -> int | None:
+    """`text` as an integer from `low` to `high`, else None; digits are counted before they are
+    converted, so a 5,000-digit number costs nothing (and meets no conversion limit)."""
+    text = text.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(high)):
+        return None
+    number = int(text)
+    return number if low <= number <= high else None
+
+
 def record_query(query: dict[str, str]) -> RecordQuery:
     """The query parameters of GET /api/requests; raises BadQuery."""
-    raw_limit = query.get("limit", str(DEFAULT_PAGE))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+    limit = bounded_int(query.get("limit", str(DEFAULT_PAGE)), 1, MAX_PAGE)
+    if limit is None:
         raise BadQuery(f"limit must be an integer from 1 to {MAX_PAGE}")
     raw_cursor = query.get("cursor")
-    if raw_cursor is not None and not raw_cursor.isdigit():
+    cursor = bounded_int(raw_cursor, 0, MAX_CURSOR) if raw_cursor is not None else None
+    if raw_cursor is not None and cursor is None:
         raise BadQuery("cursor must be the next_cursor of an earlier page")
     return RecordQuery(
         stop_reason=_choice(query, "stop_reason", STOP_REASONS),
@@ -88,7 +109,7 @@ def record_query(query: dict[str, str]) -> RecordQuery:
         model=query.get("model") or None, route=query.get("route") or None,
         since=parse_time("since", query["since"]) if query.get("since") else None,
         until=parse_time("until", query["until"]) if query.get("until") else None,
-        cursor=int(raw_cursor) if raw_cursor is not None else None, limit=int(raw_limit))
+        cursor=cursor, limit=limit)
 
 
 async def write_records(request: web.Request, head: dict[str, object], records: Sequence[ResponseRecord],
@@ -142,32 +163,84 @@ def bearer_matches(header: str, token: str) -> bool:
 
 
 SESSION_COOKIE = "llm_diag_admin"
+SESSION_TTL_S = 12 * 3600
 
 
-def session_value(token: str) -> str:
-    """What the page's cookie holds: an HMAC of the token, never the token itself."""
-    return hmac.new(token.encode("utf-8", "surrogateescape"), b"llm-diag-proxy admin page", "sha256").hexdigest()
+class Sessions:
+    """The page's session cookies: `EXPIRY.SIGNATURE`, an HMAC of the expiry and the admin token under a
+    key drawn anew by each start of the proxy. A cookie never holds the token; it expires after
+    SESSION_TTL_S; a restart, or a new token, revokes every one."""
+
+    def __init__(self, token: str, ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.time) -> None:
+        self._key = secrets.token_bytes(32)
+        self._token = token.encode("utf-8", "surrogateescape")
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    def _signature(self, expiry: int) -> str:
+        return hmac.new(self._key, b"%d:" % expiry + self._token, "sha256").hexdigest()
+
+    def issue(self) -> str:
+        expiry = int(self._clock() + self.ttl_s)
+        return f"{expiry}.{self._signature(expiry)}"
+
+    def valid(self, value: str) -> bool:
+        expiry_text, _, signature = value.partition(".")
+        expiry = bounded_int(expiry_text, 0, 1 << 40)
+        if expiry is None or expiry < self._clock():
+            return False
+        return hmac.compare_digest(signature.encode("ascii", "replace"), self._signature(expiry).encode())
+
+
+def allowed_host(host: str, names: frozenset[str]) -> bool:
+    """A `Host` a browser may send to the admin page without DNS rebinding behind it: an IP address
+    (what the listener binds), `localhost`, or a name the operator allowed (`--admin-allowed-hosts`;
+    `*` allows any)."""
+    if "*" in names:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name in names or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
-                    ready: Callable[[], bool] = lambda: True, history: History | None = None) -> web.Application:
-    session = session_value(token) if token else ""
+                    ready: Callable[[], bool] = lambda: True, history: History | None = None,
+                    allowed_hosts: frozenset[str] = frozenset()) -> web.Application:
+    sessions = Sessions(token) if token else None
+
+    @web.middleware
+    async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The page and the record API answer only a `Host` that is no stranger's name: a web page
+        that rebinds its own name to 127.0.0.1 finds nothing (the scrape and the probes stay open)."""
+        if (request.path.startswith("/api/") or request.path == "/") and not allowed_host(request.host, allowed_hosts):
+            return _error(403, "forbidden_host", "this Host is not one the admin listener answers; add it with "
+                                                 "--admin-allowed-hosts")
+        return await handler(request)
 
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         """`/api/*` and the page `/` need the token: as a bearer header, or (for a browser) the cookie
         the page sets after it was opened once as `/?token=TOKEN`."""
-        if not token or not (request.path.startswith("/api/") or request.path == "/"):
+        if not token or sessions is None or not (request.path.startswith("/api/") or request.path == "/"):
             return await handler(request)
         cookie = request.cookies.get(SESSION_COOKIE, "")
-        if bearer_matches(request.headers.get("Authorization", ""), token) or hmac.compare_digest(
-                cookie.encode(), session.encode()):
+        if bearer_matches(request.headers.get("Authorization", ""), token) or sessions.valid(cookie):
             return await handler(request)
         given = request.query.get("token")
         if request.path == "/" and given is not None and hmac.compare_digest(
                 given.encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")):
             found = web.Response(status=302, headers={"Location": "/"})  # the token leaves the address bar
-            found.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/")
+            found.set_cookie(SESSION_COOKIE, sessions.issue(), httponly=True, samesite="Strict", path="/",
+                             max_age=int(sessions.ttl_s))
             return found
         if request.path == "/":
             return web.Response(status=401, content_type="text/plain",
@@ -269,7 +342,11 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")
         return _json(record.to_dict())
 
-    app = web.Application(middlewares=[require_token])
+    async def no_server_version(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = "llm-diag-proxy"  # aiohttp's own names its version
+
+    app = web.Application(middlewares=[check_host, require_token])
+    app.on_response_prepare.append(no_server_version)
     app.router.add_get("/", page)
     app.router.add_get("/api/diagnose", diagnose)
     app.router.add_get("/metrics", metrics_page)

@@ -190,7 +190,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
-                                history=history)
+                                history=history, allowed_hosts=config.admin_allowed_hosts)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
                            _telemetry=telemetry, history=history, tracer=tracer, check=check)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,

@@ -20,6 +20,7 @@ from proxy.config import (
     ConfigError,
     ProxyConfig,
     parse_duration,
+    parse_host_names,
     parse_host_port,
     parse_positive_int,
     parse_positive_seconds,
@@ -91,6 +92,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", metavar="TOKEN", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
                         help="require 'Authorization: Bearer TOKEN' on the admin API's /api/* "
                              "(env LLM_DIAG_ADMIN_TOKEN; default: no token)")
+    parser.add_argument("--admin-allowed-hosts", type=flag_type(parse_host_names),
+                        default=os.environ.get("LLM_DIAG_ADMIN_ALLOWED_HOSTS") or "", metavar="NAMES",
+                        help="host names the admin page and record API answer to, comma-separated, beside IP "
+                             "addresses and localhost (env LLM_DIAG_ADMIN_ALLOWED_HOSTS; * for any): any other "
+                             "Host is refused, so a web page that rebinds its name to the proxy finds nothing")
     parser.add_argument("--gpu-poll-interval", type=flag_type(parse_seconds), default=1.0, metavar="SECONDS",
                         help="NVML sampling interval, 0 = off (default %(default)s)")
     parser.add_argument("--upstream-metrics", choices=("auto", "vllm", "ollama", "off"), default="auto",
@@ -172,6 +178,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             max_models=args.max_models,
             request_body_cap_bytes=args.request_body_cap,
             admin_token=args.admin_token,
+            admin_allowed_hosts=(args.admin_allowed_hosts if not isinstance(args.admin_allowed_hosts, str)
+                                 else parse_host_names(args.admin_allowed_hosts)),
             gpu_poll_interval_s=args.gpu_poll_interval,
             upstream_metrics=args.upstream_metrics,
             upstream_metrics_interval_s=args.upstream_metrics_interval,

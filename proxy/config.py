@@ -101,6 +101,16 @@ def _non_negative(value: str, what: str, zero_means: str = "") -> float:
     return number
 
 
+def parse_host_names(value: str) -> frozenset[str]:
+    """`--admin-allowed-hosts`: comma-separated host names (lower case, no port), or `*` for any."""
+    names = frozenset(part.strip().lower() for part in value.split(",") if part.strip())
+    for name in names:
+        if name != "*" and not re.fullmatch(r"[a-z0-9.-]{1,253}", name):
+            raise ConfigError(f"invalid host name {name[:60]!r} in --admin-allowed-hosts: expected names like "
+                              "proxy.example.com, comma-separated, or *")
+    return names
+
+
 def parse_seconds(value: str) -> float:
     """A non-negative number of seconds; 0 means off."""
     return _non_negative(value, "number of seconds", " (off)")
@@ -188,6 +198,7 @@ class ProxyConfig:
     log_format: Literal["json", "console"] = "json"
     log_records: bool = True
     admin_token: str | None = field(default=None, repr=False)
+    admin_allowed_hosts: frozenset[str] = frozenset()  # host names the admin page answers, beside IPs and localhost
     gpu_poll_interval_s: float = 1.0
     upstream_metrics: Literal["auto", "vllm", "ollama", "off"] = "auto"
     upstream_metrics_interval_s: float = 1.0

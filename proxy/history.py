@@ -57,6 +57,21 @@ def default_path() -> str:
     return os.path.join(base, "llm-diag-proxy", "history.sqlite3")
 
 
+def make_private(path: str) -> None:
+    """The database, and the WAL and shared-memory files SQLite keeps beside it, readable by their
+    owner only: they hold the paths, models and timings of everyone's requests. SQLite creates its
+    -wal and -shm files with the database file's own mode (os_unix.c, findCreateFileMode), so the
+    database is created 0600 before SQLite opens it, and files left more open by an older version
+    are closed down."""
+    flags = os.O_CREAT | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+    os.close(os.open(path, flags, 0o600))
+    for name in (path, path + "-wal", path + "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.stat(name).st_mode & 0o777
+            if mode & 0o077:
+                os.chmod(name, mode & 0o700)
+
+
 def _row(record: ResponseRecord) -> tuple[Any, ...]:
     body = record.to_dict()
     return (record.request_id, record.upstream_request_id, record.started_at, record.model, record.route,
@@ -100,7 +115,8 @@ class History:
     def open(self) -> bool:
         """Create or open the database and start the writer; False (logged) when it cannot."""
         try:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private(self.path)
             connection = _connect(self.path)
             connection.executescript(SCHEMA)
             if self._page_limit is not None:

@@ -379,7 +379,7 @@ async def _supervise(config: ProxyConfig) -> int:
     session = upstream_session(config)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not pool.stopping,
-                                history=history)
+                                history=history, allowed_hosts=config.admin_allowed_hosts)
     admin_runner = None
     code = 0
     try:
