@@ -11,53 +11,65 @@ import contextlib
 from array import array
 from typing import Any
 
-_USED, _REFUSED = 0, 1
+from proxy.process_lock import ProcessLock
+
+OWNERS = 65  # slot 0: a single process; slot 1 + i: worker i (as proxy.concurrency)
 
 
 class ByteBudget:
     """`reserve(n)` takes n bytes if they fit (True) or takes nothing (False); `release(n)` gives back.
 
-    With `shared` (a RawArray of two 64-bit integers and a lock, from `shared_budget`), worker
-    processes draw on one budget: the bound is the proxy's, not each worker's.
+    With `shared` (from `shared_budget`: per-process shares of the bytes held, a refusal count and a
+    lock the kernel drops when its holder dies), worker processes draw on one budget: the bound is
+    the proxy's, not each worker's, and a dead worker's share can be given back (`forget`).
     """
 
-    __slots__ = ("_lock", "_values", "capacity")
+    __slots__ = ("_lock", "_owner", "_refused", "_shares", "capacity")
 
-    def __init__(self, capacity: int, shared: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, capacity: int, shared: tuple[Any, Any, Any] | None = None, owner: int = 0) -> None:
         self.capacity = capacity
+        self._owner = owner
         if shared is None:
-            self._values: Any = array("q", [0, 0])
+            self._shares: Any = array("q", bytes(8 * OWNERS))
+            self._refused: Any = array("q", [0])
             self._lock: Any = contextlib.nullcontext()
         else:
-            self._values, self._lock = shared
+            self._shares, self._refused, self._lock = shared
 
     @property
     def used(self) -> int:
-        return int(self._values[_USED])
+        return int(sum(self._shares))
 
     @property
     def refused(self) -> int:
         """Reservations refused since start."""
-        return int(self._values[_REFUSED])
+        return int(self._refused[0])
 
     def reserve(self, size: int) -> bool:
-        values = self._values
+        shares = self._shares
         with self._lock:
-            if values[_USED] + size > self.capacity:
-                values[_REFUSED] += 1
+            if sum(shares) + size > self.capacity:
+                self._refused[0] += 1
                 return False
-            values[_USED] += size
+            shares[self._owner] += size
             return True
 
     def release(self, size: int) -> None:
-        values = self._values
+        shares = self._shares
         with self._lock:
-            values[_USED] = max(0, values[_USED] - size)
+            shares[self._owner] = max(0, shares[self._owner] - size)
+
+    def forget(self, owner: int) -> int:
+        """Give back what a dead process held (the supervisor, when a worker dies); returns the bytes."""
+        with self._lock:
+            held = int(self._shares[owner])
+            self._shares[owner] = 0
+        return held
 
 
-def shared_budget(context: Any) -> tuple[Any, Any]:
-    """The shared state of a ByteBudget for worker processes: (RawArray of used/refused, Lock)."""
-    return context.RawArray("q", 2), context.Lock()
+def shared_budget(context: Any) -> tuple[Any, Any, Any]:
+    """The shared state of a ByteBudget for worker processes: per-process shares, the refusals, a lock."""
+    return context.RawArray("q", OWNERS), context.RawArray("q", 1), ProcessLock()
 
 
 UNLIMITED = ByteBudget(1 << 62)

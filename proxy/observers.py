@@ -6,8 +6,8 @@ calls a hook only on the observers that have it. An observer that raises never d
 traffic; its failure is written into the record's `observer_errors`.
 
 The hooks:
-- `on_response_start(record)`: the request was admitted and its body read; the record holds
-  the request-side fields only.
+- `on_response_start(record)`: the request was admitted, before its body is read; the record
+  holds its identity only (the id, the method, the path, the concurrency at admission).
 - `on_response(record)`: the response ended and was classified; enrichers run first, so what
   they add reaches the exporters after them.
 """

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -31,6 +32,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -51,7 +53,7 @@ from proxy.app import (
     server_check,
 )
 from proxy.budget import ByteBudget, shared_budget
-from proxy.concurrency import InFlightTracker, SharedCounts
+from proxy.concurrency import OWNERS, InFlightTracker, SharedCounts
 from proxy.config import HostPort, ProxyConfig
 from proxy.listeners import listen
 from proxy.logs import configure_logging
@@ -69,6 +71,8 @@ MAX_MESSAGE = 16 * 1024 * 1024  # one record is a few KB; anything near this is 
 SEND_BUFFER_MAX = 8 * 1024 * 1024
 START_TIMEOUT_S = 60.0
 RESTARTS_PER_MINUTE = 5
+CHANNEL_WAIT_S = 5.0  # how long a dead worker's pipe may take to give up its last records
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # --- the worker side -------------------------------------------------------------------------
@@ -79,16 +83,29 @@ class WorkerArgs:
     index: int
     config: ProxyConfig
     counts: SharedCounts
-    budget: tuple[Any, Any]
+    budget: tuple[Any, Any, Any]
+    ledger: Any  # RawArray("q"): per worker, its exchanges without a record yet and its records written
+    supervisor: int  # the supervisor's pid: a worker does not outlive it
     channel: Connection  # the write end of its pipe to the supervisor
+
+    @property
+    def owner(self) -> int:
+        """Its slot in the shared counts (0 is a single process's)."""
+        return self.index + 1
 
 
 class RecordSender:
-    """The worker's one observer: each finished record, and each refused request, to the supervisor."""
+    """The worker's one observer: each finished record, and each refused request, to the supervisor.
 
-    def __init__(self, transport: asyncio.WriteTransport) -> None:
+    It keeps its ledger in shared memory, written by this worker alone: the exchanges begun whose
+    record is not written yet, and the records written to the pipe. When the worker dies, the
+    supervisor counts every record the ledger shows it will never read."""
+
+    def __init__(self, transport: asyncio.WriteTransport, ledger: Any = None, owner: int = 0) -> None:
         self._transport = transport
         self.lost = 0  # not yet reported
+        self._ledger = ledger if ledger is not None else [0] * (2 * (owner + 1))
+        self._pending, self._written = 2 * owner, 2 * owner + 1
 
     def send(self, message: dict[str, Any]) -> None:
         transport = self._transport
@@ -100,8 +117,14 @@ class RecordSender:
             self.send({"lost": lost})
         payload = orjson.dumps(message, default=str)
         transport.write(FRAME.pack(len(payload)) + payload)
+        if "record" in message:
+            self._ledger[self._written] += 1
+
+    def on_response_start(self, record: ResponseRecord) -> None:
+        self._ledger[self._pending] += 1
 
     def on_response(self, record: ResponseRecord) -> None:
+        self._ledger[self._pending] -= 1
         self.send({"record": record.to_dict()})
 
     def refused(self, reason: str) -> None:
@@ -115,8 +138,19 @@ class RecordSender:
         self._transport.close()
 
 
+def follow_supervisor(supervisor: int) -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies (Linux's PR_SET_PDEATHSIG), so that no
+    worker keeps a port open with no one reading its records; exit at once if it died already."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != supervisor:
+        os._exit(0)
+
+
 def worker_main(args: WorkerArgs) -> None:
     """The entry point of a worker process."""
+    follow_supervisor(args.supervisor)
     config = args.config
     configure_logging(config.log_level, config.log_format)
     structlog.contextvars.bind_contextvars(worker=args.index)
@@ -130,9 +164,9 @@ async def _worker(args: WorkerArgs) -> None:
     pipe = os.fdopen(os.dup(args.channel.fileno()), "wb", buffering=0)
     args.channel.close()
     transport, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
-    sender = RecordSender(transport)
-    tracker = InFlightTracker(counts=args.counts)
-    budget = ByteBudget(config.parse_budget_bytes, shared=args.budget)
+    sender = RecordSender(transport, args.ledger, args.owner)
+    tracker = InFlightTracker(counts=args.counts, owner=args.owner)
+    budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
     check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
     forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check, sender.refused)
     stop = asyncio.Event()
@@ -192,26 +226,47 @@ class FrameReader(asyncio.Protocol):
         self._on_end()
 
 
+class Channel:
+    """One worker process's pipe, as the supervisor reads it: its end, and the records it gave."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.records = 0
+
+
 class Worker:
-    """One worker process as the supervisor sees it."""
+    """One worker process as the supervisor sees it (a restart is a new process in the same slot)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.process: Any = None
         self.url: str | None = None
         self.listening = asyncio.Event()
-        self.channel_closed = asyncio.Event()
+        self.channel = Channel()
+
+    @property
+    def channel_closed(self) -> asyncio.Event:
+        return self.channel.closed
+
+    @property
+    def owner(self) -> int:
+        return self.index + 1
 
 
 class WorkerPool:
-    """Starts, watches, restarts and stops the workers; hands their messages to the exporters."""
+    """Starts, watches, restarts and stops the workers; hands their messages to the exporters; gives
+    back what a worker that died held (its in-flight requests, its parse budget) and counts the
+    records it took with it."""
 
-    def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any], chain: ObserverChain,
+    def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any, Any], chain: ObserverChain,
                  metrics: ProxyMetrics) -> None:
         self._context = multiprocessing.get_context("spawn")
         self._config = config
         self._counts = counts
         self._budget = budget
+        self._tracker = InFlightTracker(counts=counts)
+        self._bytes = ByteBudget(config.parse_budget_bytes, shared=budget)
+        self._ledger: Any = self._context.RawArray("q", 2 * OWNERS)
         self._chain = chain
         self._metrics = metrics
         self.workers = [Worker(i) for i in range(config.workers)]
@@ -224,6 +279,12 @@ class WorkerPool:
     def alive(self) -> int:
         return sum(1 for w in self.workers if w.process is not None and w.process.is_alive())
 
+    @property
+    def ready(self) -> bool:
+        """The proxy port accepts: some worker is alive and listening on it, and none is stopping."""
+        return not self.stopping and any(w.listening.is_set() and w.process is not None and w.process.is_alive()
+                                         for w in self.workers)
+
     async def start(self) -> None:
         """Start every worker and wait until each listens (WorkerFailed when one cannot)."""
         for worker in self.workers:
@@ -235,8 +296,9 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         reader, writer = self._context.Pipe(duplex=False)
         worker.listening = asyncio.Event()
-        worker.channel_closed = asyncio.Event()
-        args = WorkerArgs(worker.index, self._config, self._counts, self._budget, writer)
+        worker.channel = channel = Channel()
+        self._ledger[2 * worker.owner] = self._ledger[2 * worker.owner + 1] = 0
+        args = WorkerArgs(worker.index, self._config, self._counts, self._budget, self._ledger, os.getpid(), writer)
         process = self._context.Process(target=worker_main, args=(args,), name=f"llm-diag-proxy-worker-{worker.index}",
                                         daemon=True)
         process.start()
@@ -245,7 +307,7 @@ class WorkerPool:
         pipe = os.fdopen(os.dup(reader.fileno()), "rb", buffering=0)
         reader.close()
         await loop.connect_read_pipe(
-            lambda: FrameReader(lambda message: self._message(worker, message), worker.channel_closed.set), pipe)
+            lambda: FrameReader(lambda message: self._message(worker, channel, message), channel.closed.set), pipe)
         loop.add_reader(process.sentinel, self._exited, worker, process)
 
     async def _until_listening(self, worker: Worker) -> None:
@@ -259,9 +321,10 @@ class WorkerPool:
             raise WorkerFailed(f"worker {worker.index} did not start listening on {self._config.listen} "
                                "(is the port taken by a process without SO_REUSEPORT?)")
 
-    def _message(self, worker: Worker, message: dict[str, Any]) -> None:
+    def _message(self, worker: Worker, channel: Channel, message: dict[str, Any]) -> None:
         record = message.get("record")
         if isinstance(record, dict):
+            channel.records += 1
             self._chain.response_finished(record_from_dict(record))
         elif "refused" in message:
             self._metrics.count_refused(str(message["refused"]))
@@ -279,7 +342,14 @@ class WorkerPool:
         loop.remove_reader(process.sentinel)
         process.join(0)
         self._metrics.workers.set(self.alive)
-        if self.stopping or worker.process is not process:
+        if worker.process is not process:
+            return
+        # What it held goes back at once, so that no later request sees its requests in flight.
+        in_flight = self._tracker.forget(worker.owner)
+        held = self._bytes.forget(worker.owner)
+        pending, written = self._ledger[2 * worker.owner], self._ledger[2 * worker.owner + 1]
+        self._spawn_task(self._account(worker, worker.channel, process.exitcode, in_flight, held, pending, written))
+        if self.stopping:
             return
         now = time.monotonic()
         self._restarts = [t for t in self._restarts if now - t < 60.0] + [now]
@@ -288,10 +358,28 @@ class WorkerPool:
                        note=f"more than {RESTARTS_PER_MINUTE} restarts in a minute: the proxy stops")
             self.failed.set()
             return
-        _log.error("worker_died", worker=worker.index, exit_code=process.exitcode, note="starting it again")
-        task = loop.create_task(self._restart(worker))
+        self._spawn_task(self._restart(worker))
+
+    def _spawn_task(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _account(self, worker: Worker, channel: Channel, exit_code: int | None, in_flight: int, held: int,
+                       pending: int, written: int) -> None:
+        """Once its pipe has given up what it held: the records a dead worker took with it (exchanges
+        begun with no record written, and records written that never arrived), counted and said once."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(channel.closed.wait(), CHANNEL_WAIT_S)
+        lost = max(0, pending) + max(0, written - channel.records)
+        if lost:
+            self._metrics.records_lost.inc(lost)
+        if exit_code == 0 and not lost:
+            return  # a worker that stopped as asked
+        _log.error("worker_died", worker=worker.index, exit_code=exit_code, in_flight_released=in_flight,
+                   parse_budget_released_bytes=held, open_exchanges=max(0, pending), records_lost=lost,
+                   note="its requests leave the in-flight count and its budget is given back"
+                        + ("" if self.stopping else "; starting it again"))
 
     async def _restart(self, worker: Worker) -> None:
         try:
@@ -378,7 +466,7 @@ async def _supervise(config: ProxyConfig) -> int:
     pool = WorkerPool(config, counts, budget_state, chain, metrics)
     session = upstream_session(config)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
-    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not pool.stopping,
+    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: pool.ready,
                                 history=history, allowed_hosts=config.admin_allowed_hosts)
     admin_runner = None
     code = 0
