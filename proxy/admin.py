@@ -1,9 +1,10 @@
 """The admin listener: /metrics, /healthz, /readyz and the record API, apart from the proxy port.
 
 It is a separate listener because the proxy port is fully transparent (vLLM's own /metrics
-must stay reachable through it). Pages of records are written in small batches, each serialised
-on its own, so reading the largest page never holds the event loop (and the live streams on it)
-for more than a few milliseconds.
+must stay reachable through it). No admin read holds the event loop (and the live streams on
+it) for more than a few milliseconds: history pages and `/api/diagnose` run in a reader process
+of their own (proxy.admin_reads), one at a time with a bounded queue; pages of the in-memory ring
+are found in a thread over a copy and written in small batches, each serialised on its own.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import structlog
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from proxy.admin_reads import AdminBusy, AdminReaders, AdminReadFailed, Blobs, json_arrays
 from proxy.concurrency import CONCURRENCY_BUCKETS
 from proxy.config import parse_duration
 from proxy.history import History
 from proxy.metrics import ProxyMetrics
 from proxy.record import CAUSES, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
-from proxy.store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore
+from proxy.store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore, page_of
 
 _log = structlog.get_logger("llm_diag_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -48,6 +50,16 @@ def _error(status: int, kind: str, message: str) -> web.Response:
 
 class BadQuery(ValueError):
     """A query parameter that cannot be used; its message goes back in a 400."""
+
+
+def _busy(exc: AdminBusy) -> web.Response:
+    response = _error(503, "admin_busy", str(exc))
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+def _read_failed(exc: AdminReadFailed) -> web.Response:
+    return _error(503, exc.kind if exc.kind != "error" else "admin_read_failed", str(exc))
 
 
 def parse_time(name: str, value: str) -> float:
@@ -112,20 +124,11 @@ def record_query(query: dict[str, str]) -> RecordQuery:
         cursor=cursor, limit=limit)
 
 
-async def write_records(request: web.Request, head: dict[str, object], records: Sequence[ResponseRecord],
-                        tail: dict[str, object]) -> web.StreamResponse:
-    """`{...head, "records": [...], ...tail}`, written BATCH records at a time with the loop free between."""
-    response = web.StreamResponse(headers={"Content-Type": "application/json"})
-    await response.prepare(request)
-    opening = orjson.dumps(head)[:-1]
-    await response.write(opening + (b',"records":[' if head else b'"records":['))
-    for start in range(0, len(records), BATCH):
-        batch = orjson.dumps([r.to_dict() for r in records[start:start + BATCH]], default=str)[1:-1]
-        await response.write((b"," if start else b"") + batch)
-        await asyncio.sleep(0)
-    await response.write(b"]," + orjson.dumps(tail)[1:])
-    await response.write_eof()
-    return response
+async def records_body(head: dict[str, object], records: Sequence[ResponseRecord], tail: dict[str, object]) -> bytes:
+    """`{...head, "records": [...], ...tail}`, serialised BATCH records at a time with the loop free between."""
+    arrays = await json_arrays(records, BATCH)
+    opening = orjson.dumps(head)[:-1] + (b',"records":[' if head else b'"records":[')
+    return opening + b",".join(array[1:-1] for array in arrays if len(array) > 2) + b"]," + orjson.dumps(tail)[1:]
 
 
 class UpstreamProbe:
@@ -214,8 +217,10 @@ def allowed_host(host: str, names: frozenset[str]) -> bool:
 
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
                     ready: Callable[[], bool] = lambda: True, history: History | None = None,
-                    allowed_hosts: frozenset[str] = frozenset()) -> web.Application:
+                    allowed_hosts: frozenset[str] = frozenset(),
+                    readers: AdminReaders | None = None) -> web.Application:
     sessions = Sessions(token) if token else None
+    readers = readers or AdminReaders()
 
     @web.middleware
     async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -258,10 +263,35 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
                                      "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                                                 "style-src 'unsafe-inline'; img-src 'self' data:"})
 
-    async def diagnose(request: web.Request) -> web.Response:
-        """The live verdict (`llm-diag-proxy diagnose`) of the last `since` seconds, as JSON."""
-        from proxy.sweep.diagnose import OBSERVATIONAL, groups_of, sweep_command
+    async def answer(request: web.Request, body: bytes) -> web.StreamResponse:
+        """A JSON body read elsewhere, written while it counts against the bound on admin answers."""
+        try:
+            with readers.answering_with(len(body)):
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                response.content_length = len(body)
+                await response.prepare(request)
+                await response.write(body)
+                await response.write_eof()
+                return response
+        except AdminBusy as exc:
+            return _busy(exc)
 
+    async def read(request: web.Request, name: str, *args: object,
+                   blobs: Blobs | None = None) -> web.StreamResponse | AdminReadFailed:
+        """A reader's answer written out, a 503 when the readers are busy, or why the read failed."""
+        try:
+            body = await readers.run(name, *args, blobs=blobs)
+        except AdminBusy as exc:
+            return _busy(exc)
+        except AdminReadFailed as exc:
+            if exc.kind == "history":
+                _log.warning("history_read_failed", error=str(exc))  # the ring still answers; say so
+            return exc
+        return await answer(request, body)
+
+    async def diagnose(request: web.Request) -> web.StreamResponse:
+        """The live verdict (`llm-diag-proxy diagnose`) of the last `since` seconds, as JSON, worked
+        out in the verdicts reader from the history (else from the ring, sent there in batches)."""
         try:
             seconds = float(request.query.get("since", "3600"))
             min_per_level = int(request.query.get("min_per_level", "5"))
@@ -270,26 +300,19 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         if not (0 < seconds <= 366 * 86400 and 1 <= min_per_level <= 1000):
             return _error(400, "bad_request", "since must be 0 to a year of seconds, min_per_level 1 to 1000")
         since = time.time() - seconds
-        records: list[ResponseRecord] | None = None
-        if history is not None and history.up:
-            with contextlib.suppress(sqlite3.Error):
-                records = await asyncio.to_thread(history.between, since, None, 50_000)
-        if records is None:
-            records = [r for r in store.newest_first() if r.started_at >= since]
-        groups = await asyncio.to_thread(groups_of, records, min_per_level=min_per_level)
         admin = f"{request.scheme}://{request.host}"
-        return _json({
-            "since": since, "records": len(records), "observational": OBSERVATIONAL,
-            "note": ("no model and budget band has records at two concurrency levels with "
-                     f"{min_per_level} or more each yet"),
-            "groups": [{"name": g.name(), "model": g.model, "band": g.band, "n": len(g.samples),
-                        "levels": [{"level": s.level, "n": s.n, "completion_rate": s.completion_rate,
-                                    "output_tokens_median": s.output_tokens_median, "stop_counts": s.stop_counts}
-                                   for s in g.summaries],
-                        "verdict": g.verdict.to_dict(),
-                        "sweep": (None if g.verdict.kind in ("no_load_effect", "insufficient_data")
-                                  else sweep_command(g, "http://127.0.0.1:8080", admin))}
-                       for g in groups]})
+        if history is not None and history.up:
+            done = await read(request, "diagnose", history.path, since, min_per_level, admin)
+            if not isinstance(done, AdminReadFailed):
+                return done
+            if done.kind != "history":
+                return _read_failed(done)
+
+        async def ring() -> list[bytes]:
+            return await json_arrays([r for _, r in store.snapshot() if r.started_at >= since])
+
+        done = await read(request, "diagnose", None, since, min_per_level, admin, blobs=ring)
+        return _read_failed(done) if isinstance(done, AdminReadFailed) else done
 
     async def metrics_page(request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it (Prometheus does): it carries the exemplars.
@@ -308,7 +331,8 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         is a metric and an alert). `?upstream=required` asks for the upstream's answer as well."""
         if not ready():
             return _json({"status": "not_ready", "upstream": probe.upstream, "upstream_reachable": None,
-                          "detail": "the proxy is shutting down"}, 503)
+                          "detail": "the proxy port is not accepting: starting, shutting down, "
+                                    "or no worker alive"}, 503)
         reachable, detail = await probe.check()
         strict = request.query.get("upstream") == "required"
         status = "ready" if reachable or not strict else "not_ready"
@@ -316,21 +340,27 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
                       "detail": detail}, 200 if status == "ready" else 503)
 
     async def list_requests(request: web.Request) -> web.StreamResponse:
+        """A page of records: from the history in the pages reader, else from a copy of the ring
+        read in a thread and serialised a batch at a time, one ring page at a time."""
         try:
             query = record_query(dict(request.query))
         except BadQuery as exc:
             return _error(400, "bad_request", str(exc))
-        head: dict[str, object]
         if history is not None and history.up:
-            try:
-                page = await asyncio.to_thread(history.page, query)
-                head = {"count": len(page.records), "source": "history", "history": history.path}
-                return await write_records(request, head, page.records, {"next_cursor": page.next_cursor})
-            except sqlite3.Error as exc:  # the ring still answers; say so
-                _log.warning("history_read_failed", error=str(exc)[:300])
-        page = store.page(query)
-        head = {"count": len(page.records), "source": "memory", "stored": len(store), "capacity": store.capacity}
-        return await write_records(request, head, page.records, {"next_cursor": page.next_cursor})
+            done = await read(request, "history_page", history.path, query)
+            if not isinstance(done, AdminReadFailed):
+                return done
+            if done.kind != "history":
+                return _read_failed(done)
+        try:
+            async with readers.memory.turn():
+                page = await asyncio.to_thread(page_of, store.snapshot(), query)
+                head = {"count": len(page.records), "source": "memory", "stored": len(store),
+                        "capacity": store.capacity}
+                body = await records_body(head, page.records, {"next_cursor": page.next_cursor})
+        except AdminBusy as exc:
+            return _busy(exc)
+        return await answer(request, body)
 
     async def one_request(request: web.Request) -> web.Response:
         request_id = request.match_info["request_id"]
@@ -345,7 +375,11 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
     async def no_server_version(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = "llm-diag-proxy"  # aiohttp's own names its version
 
+    async def close_reader(app: web.Application) -> None:
+        await readers.close()
+
     app = web.Application(middlewares=[check_host, require_token])
+    app.on_cleanup.append(close_reader)
     app.on_response_prepare.append(no_server_version)
     app.router.add_get("/", page)
     app.router.add_get("/api/diagnose", diagnose)

@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from proxy.admin import UpstreamProbe, build_admin_app
+from proxy.admin_reads import AdminReaders
 from proxy.budget import ByteBudget
 from proxy.concurrency import InFlightTracker
 from proxy.config import ProxyConfig
@@ -136,6 +137,7 @@ class RunningProxy:
     history: History | None = None
     tracer: Tracer | None = None
     check: ServerCheck | None = None
+    readers: AdminReaders = field(default_factory=AdminReaders)
     _closed: bool = False
 
     async def shutdown(self, grace_s: float) -> float:
@@ -189,10 +191,11 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     check = server_check(config, chain.response_finished, metrics.count_tokenizer)
     forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
     probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
+    readers = AdminReaders()
     admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
-                                history=history, allowed_hosts=config.admin_allowed_hosts)
+                                history=history, allowed_hosts=config.admin_allowed_hosts, readers=readers)
     running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
-                           _telemetry=telemetry, history=history, tracer=tracer, check=check)
+                           _telemetry=telemetry, history=history, tracer=tracer, check=check, readers=readers)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:

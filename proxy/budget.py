@@ -11,7 +11,7 @@ import contextlib
 from array import array
 from typing import Any
 
-from proxy.process_lock import ProcessLock
+from proxy.processes import ProcessLock
 
 OWNERS = 65  # slot 0: a single process; slot 1 + i: worker i (as proxy.concurrency)
 

@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from proxy.process_lock import ProcessLock
+from proxy.processes import ProcessLock
 
 RING = 1 << 16  # admissions remembered for the peak; a request that outlives more sees the last RING
 OWNERS = 65  # slot 0: a single process (or the supervisor); slot 1 + i: worker i (--workers is at most 64)
@@ -55,7 +55,7 @@ class SharedCounts:
 
     The in-flight count is the sum of each process's own share, so that the supervisor can take a
     dead worker's requests out of it at once and exactly (`forget`); the lock is one the kernel
-    drops when its holder dies (proxy.process_lock)."""
+    drops when its holder dies (proxy.processes)."""
 
     def __init__(self, context: Any = None) -> None:
         context = context or multiprocessing.get_context("spawn")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from proxy.concurrency import concurrency_bucket
@@ -85,15 +85,27 @@ class RecordStore:
 
     def page(self, query: RecordQuery) -> Page:
         """The newest matching records older than the query's cursor."""
-        found: list[ResponseRecord] = []
-        last_seq: int | None = None
-        for seq, record in reversed(self._ring):
-            if query.cursor is not None and seq >= query.cursor:
-                continue
-            if not query.matches(record):
-                continue
-            if len(found) == query.limit:
-                return Page(found, last_seq)
-            found.append(record)
-            last_seq = seq
-        return Page(found, None)
+        return page_of(self.snapshot(), query)
+
+    def snapshot(self) -> list[tuple[int, ResponseRecord]]:
+        """The ring as it is now (a copy of references: microseconds for 10,000), to read in a thread
+        while records keep arriving."""
+        return list(self._ring)
+
+
+def page_of(ring: Sequence[tuple[int, ResponseRecord]], query: RecordQuery) -> Page:
+    """The newest records of `ring` (sequence numbers ascending) that match, older than the cursor."""
+    found: list[ResponseRecord] = []
+    last_seq: int | None = None
+    end = len(ring)
+    if query.cursor is not None and ring:  # numbers run on by one: the cursor says where to begin
+        end = min(end, max(0, query.cursor - ring[0][0]))
+    for index in range(end - 1, -1, -1):
+        seq, record = ring[index]
+        if not query.matches(record):
+            continue
+        if len(found) == query.limit:
+            return Page(found, last_seq)
+        found.append(record)
+        last_seq = seq
+    return Page(found, None)

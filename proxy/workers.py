@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -59,6 +58,7 @@ from proxy.listeners import listen
 from proxy.logs import configure_logging
 from proxy.metrics import ProxyMetrics
 from proxy.observers import ObserverChain
+from proxy.processes import follow_parent
 from proxy.record import ResponseRecord, record_from_dict
 from proxy.store import RecordStore
 from proxy.telemetry import Telemetry
@@ -72,7 +72,6 @@ SEND_BUFFER_MAX = 8 * 1024 * 1024
 START_TIMEOUT_S = 60.0
 RESTARTS_PER_MINUTE = 5
 CHANNEL_WAIT_S = 5.0  # how long a dead worker's pipe may take to give up its last records
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # --- the worker side -------------------------------------------------------------------------
@@ -138,19 +137,10 @@ class RecordSender:
         self._transport.close()
 
 
-def follow_supervisor(supervisor: int) -> None:
-    """Ask the kernel for SIGTERM when the supervisor dies (Linux's PR_SET_PDEATHSIG), so that no
-    worker keeps a port open with no one reading its records; exit at once if it died already."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != supervisor:
-        os._exit(0)
-
 
 def worker_main(args: WorkerArgs) -> None:
     """The entry point of a worker process."""
-    follow_supervisor(args.supervisor)
+    follow_parent(args.supervisor)  # no worker keeps the port open with no one reading its records
     config = args.config
     configure_logging(config.log_level, config.log_format)
     structlog.contextvars.bind_contextvars(worker=args.index)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -189,3 +191,20 @@ def test_the_completion_interval_is_wilsons_and_stays_inside_0_and_1() -> None:
     assert 0.08 < low < 0.09 and 0.53 < high < 0.54
     summary = summarize_level(1, level(1, 4) + [sample(1, 9, stop="length", length_cause="server_limit")])
     assert summary.completion_low is not None and summary.completion_low < 0.8 < summary.completion_high  # type: ignore[operator]
+
+
+def test_large_groups_get_the_normal_interval_and_it_agrees_with_the_bootstrap() -> None:
+    from proxy.sweep.stats import LARGE_SAMPLE
+
+    rng = random.Random(7)
+    a = [float(256 if rng.random() < 0.9 else rng.randint(20, 200)) for _ in range(LARGE_SAMPLE)]
+    b = [float(256 if rng.random() < 0.8 else rng.randint(20, 200)) for _ in range(LARGE_SAMPLE)]
+    normal = bootstrap_mean_difference(a, b)
+    boot = bootstrap_mean_difference(a[:-1], b, resamples=2000)  # one short: the bootstrap
+    assert normal is not None and boot is not None
+    assert normal.method.startswith("normal") and boot.method.startswith("percentile bootstrap")
+    assert normal.excludes_zero() and boot.excludes_zero()
+    width = normal.high - normal.low
+    assert abs(normal.low - boot.low) < 0.1 * width and abs(normal.high - boot.high) < 0.1 * width
+    same = bootstrap_mean_difference(a, list(a))
+    assert same is not None and not same.excludes_zero()

@@ -11,6 +11,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any
 
 from proxy.record import COMPLETE_STOP_REASONS, ResponseRecord
@@ -18,6 +19,7 @@ from proxy.sweep.sample import Sample
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 20240601
+LARGE_SAMPLE = 500  # both groups at least this big: the normal interval, as good and 10,000x cheaper
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
@@ -85,14 +87,30 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+def _variance(values: Sequence[float]) -> float:
+    """The sample variance in floats (statistics.variance works in exact fractions: seconds for 50,000)."""
+    mean = math.fsum(values) / len(values)
+    return math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
 def bootstrap_mean_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95,
                               resamples: int = BOOTSTRAP_RESAMPLES,
                               seed: int = BOOTSTRAP_SEED) -> Interval | None:
-    """mean(b) - mean(a) with a percentile bootstrap interval (each group resampled on its own)."""
+    """mean(b) - mean(a) with a percentile bootstrap interval (each group resampled on its own).
+
+    Where both groups hold LARGE_SAMPLE or more, the mean difference is as normal as the bootstrap
+    would find it (the central limit theorem at n >= 500, even for a two-valued figure such as
+    output tokens that are the budget or far below it), and the interval is Welch's normal one:
+    the bootstrap of 2,000 resamples costs 2,000 x n random draws, 25 s over 50,000 live records."""
     if not a or not b:
         return None
-    rng = random.Random(seed)
     estimate = sum(b) / len(b) - sum(a) / len(a)
+    if min(len(a), len(b)) >= LARGE_SAMPLE:
+        spread = math.sqrt(_variance(a) / len(a) + _variance(b) / len(b))
+        z = NormalDist().inv_cdf(0.5 + confidence / 2)
+        return Interval(estimate, estimate - z * spread, estimate + z * spread, confidence,
+                        f"normal (Welch), {len(a)} and {len(b)} samples")
+    rng = random.Random(seed)
     diffs = sorted(
         sum(rng.choices(b, k=len(b))) / len(b) - sum(rng.choices(a, k=len(a))) / len(a)
         for _ in range(resamples))

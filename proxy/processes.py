@@ -1,6 +1,7 @@
-"""A lock that worker processes share and that a killed process cannot leave held.
+"""Processes that end cleanly even when killed: a lock the kernel frees when its holder dies, and
+children that die with their parent.
 
-`multiprocessing.Lock` is a semaphore: a worker killed by SIGKILL (the OOM killer) inside its
+The lock: `multiprocessing.Lock` is a semaphore: a worker killed by SIGKILL (the OOM killer) inside its
 critical section would leave it taken, and every other process would wait on it for ever. This
 one is an fcntl(2) record lock on a file: the kernel drops it when its process dies, whatever
 killed it. Each process opens the file itself (the lock is pickled as its path), and takes the lock
@@ -9,11 +10,16 @@ from one thread only, as the proxy's event loop does.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import os
+import signal
 import tempfile
 from types import TracebackType
 from typing import Any
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ProcessLock:
@@ -51,7 +57,15 @@ class ProcessLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+
+
+def follow_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG), so that no child
+    keeps a port open or a core busy with no one reading its results; exit at once if it died already."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
