@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.overhead import chunk_of, free_port, percentile, pin_plan, sse, wait_for  # noqa: E402
 
-MAX_PAGE = 1000  # proxy.admin.MAX_PAGE: the biggest page a client may ask for
+MAX_PAGE = 1000  # proxy.serve.admin.MAX_PAGE: the biggest page a client may ask for
 
 
 # --- the upstream ----------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def run_scraper(admin: str, seconds: float, diagnose: bool, out: multiprocessing
 def fill_history(path: Path, count: int) -> None:
     """`count` records as the proxy writes them, spread over the last hour at levels 1 to 8 (so
     that diagnose has groups to compare), written by the proxy's own history writer."""
-    from proxy.history import History
+    from proxy.observers.history import History
     from proxy.record import ResponseRecord
 
     history = History(str(path), max_age_s=0, max_bytes=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.request_cost import record
-from proxy.history import History
+from proxy.observers.history import History
 
 
 def main() -> int:

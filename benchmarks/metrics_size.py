@@ -22,7 +22,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.metrics import MetricsObserver, ProxyMetrics
+from proxy.observers.metrics import MetricsObserver, ProxyMetrics
 from proxy.record import ResponseRecord
 
 SHAPES = {

@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.concurrency import InFlightTracker
-from proxy.logs import LogObserver, configure_logging
-from proxy.metrics import MetricsObserver, ProxyMetrics
-from proxy.recorder import Recorder
-from proxy.store import RecordStore
+from proxy.diagnosis.recorder import Recorder
+from proxy.observers.logs import LogObserver, configure_logging
+from proxy.observers.metrics import MetricsObserver, ProxyMetrics
+from proxy.observers.record_store import RecordStore
+from proxy.relay.in_flight import InFlightTracker
 
 BODY = b'{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user","content":"hi"}]}'
 CHUNKS = [b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'

@@ -1,7 +1,7 @@
 """The server's tokenizer against the server's own count, on a real vLLM under load, and what it costs.
 
 Without `include_usage` an OpenAI stream carries no token count, and the proxy asks the upstream's
-own tokenizer for the prompt's count after the response (proxy/server_check.py). This measures:
+own tokenizer for the prompt's count after the response (proxy/diagnosis/server_check.py). This measures:
 
 - **agreement**: the same requests (prompts of 8, about 100 and 324 tokens; budgets from 40 to 508,
   some past the context) at 8 in flight, each sent with and without `include_usage`; for every
@@ -35,9 +35,9 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.app import RunningProxy, start_proxy  # noqa: E402
 from proxy.config import HostPort, ProxyConfig  # noqa: E402
 from proxy.record import ResponseRecord  # noqa: E402
+from proxy.serve.app import RunningProxy, start_proxy  # noqa: E402
 
 PROMPTS = {"short": "hello", "medium": "uba ubi " * 24, "long": "uba ubi " * 80}
 BUDGETS = (40, 100, 200, 300, 450, 508)

@@ -1,11 +1,14 @@
-"""Configuration of the proxy: one frozen dataclass, and the parsing of its flag values."""
+"""Configuration of the proxy: one frozen dataclass, the parsing of its flag values, and how a
+bad value reaches the user (one line, exit code 2) in every command."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 DEFAULT_UPSTREAM = "http://127.0.0.1:11434"  # Ollama's default
@@ -14,8 +17,28 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9464"
 MAX_WORKERS = 64
 
 
+T = TypeVar("T")
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; its message is shown to the user as is."""
+
+
+class CliError(Exception):
+    """A user mistake found after parsing; printed as one line, exit code 2."""
+
+
+def flag_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """Adapt a `ConfigError`-raising parser to argparse, keeping its message."""
+
+    def convert(value: str) -> T:
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__.removeprefix("parse_")
+    return convert
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +231,11 @@ class ProxyConfig:
     header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)
     shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
     parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
-    workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/workers.py
-    history_path: str | None = None  # the SQLite history (proxy/history.py); None: off (the CLI has a default)
+    workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/serve/workers.py
+    history_path: str | None = None  # the SQLite history (observers/history.py); None: off (the CLI has a default)
     history_max_age_s: float = 7 * 86400.0
     history_max_bytes: int = 1 << 30
-    otel: bool = False  # OpenTelemetry spans over OTLP (proxy/tracing.py), configured by the OTEL_* env
+    otel: bool = False  # OpenTelemetry spans over OTLP (proxy/observers/tracing.py), configured by the OTEL_* env
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)

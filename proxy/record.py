@@ -69,6 +69,19 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: igno
 DeadlineKind = Literal["none", "total", "idle"]
 
 
+# The concurrency a record saw, as a bounded label: the buckets of every metric and filter.
+CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
+
+
+def concurrency_bucket(value: int) -> str:
+    """The smallest power of two >= value, as a label: `1`, `2`, `4`, ... `64`, then `128+`."""
+    if value <= 1:
+        return "1"
+    if value > 64:
+        return "128+"
+    return str(1 << (value - 1).bit_length())
+
+
 @dataclass(slots=True)
 class RequestInfo:
     """What the client asked for, read from a copy of the request body."""
@@ -106,7 +119,7 @@ class ResponseRecord:
     method: str
     path: str
     route: str
-    dialect: str  # a name from proxy.dialects.NAMES, or "none" for a route that is not a generation
+    dialect: str  # a name from proxy.wire.dialects.NAMES, or "none" for a route that is not a generation
     started_at: float  # unix time
     model: str | None = None
     stream: bool | None = None

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import RunningProxy, start_proxy
+from proxy.serve.app import RunningProxy, start_proxy
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import ScriptedUpstream
 

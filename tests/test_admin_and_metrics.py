@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import JSON_HEADERS, openai_stream
@@ -95,7 +95,7 @@ async def test_openmetrics_scrapes_carry_request_ids_as_exemplars(
 
 
 async def test_figures_the_upstream_does_not_report_are_absent_never_nan(proxy: RunningProxy) -> None:
-    from proxy.telemetry.upstream import UpstreamSeries, UpstreamState
+    from proxy.observers.telemetry.server_metrics import UpstreamSeries, UpstreamState
 
     series = UpstreamSeries(proxy.metrics)
     series.update(UpstreamState(source="vllm", running=2, waiting=0, kv_cache_usage=0.5, preemptions_total=7))

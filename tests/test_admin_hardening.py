@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.admin import Sessions, allowed_host, bounded_int
 from proxy.config import ConfigError, parse_host_names
+from proxy.serve.admin import Sessions, allowed_host, bounded_int
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream
@@ -146,7 +146,7 @@ async def test_the_history_and_its_wal_and_shm_are_created_private(upstream: Scr
 
 
 def test_a_history_left_world_readable_by_an_older_version_is_closed_down(tmp_path: Path) -> None:
-    from proxy.history import make_private
+    from proxy.observers.history import make_private
 
     path = tmp_path / "history.sqlite3"
     for name in (path, Path(f"{path}-wal")):

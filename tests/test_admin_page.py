@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.test_report_browser import CHROMIUM, FLAGS

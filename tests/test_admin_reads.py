@@ -17,10 +17,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.admin_reads import AdminBusy, AdminReader, AdminReadFailed
-from proxy.history import History
+from proxy.observers.history import History
+from proxy.observers.record_store import RecordQuery, RecordStore, page_of
 from proxy.record import ResponseRecord
-from proxy.store import RecordQuery, RecordStore, page_of
+from proxy.serve.admin_reads import AdminBusy, AdminReader, AdminReadFailed
 from tests.support import admin_jobs
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import ScriptedUpstream
@@ -206,7 +206,7 @@ async def test_an_idle_reader_goes_away_and_comes_back_when_needed() -> None:
 READER_OF_A_KILLED_PARENT = """
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
-from proxy.admin_reads import AdminReader
+from proxy.serve.admin_reads import AdminReader
 from tests.support import admin_jobs
 
 async def main():

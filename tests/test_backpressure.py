@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.load.resources import rss_bytes, settle_memory
 from tests.support.proxies import ProxyFactory
 

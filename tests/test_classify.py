@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.classify import WireFacts, classify, is_oom, length_cause
-from proxy.concurrency import InFlightTracker, concurrency_bucket
-from proxy.events import ErrorEvent, Finish
+from proxy.diagnosis.classify import WireFacts, classify, is_oom, length_cause
+from proxy.record import concurrency_bucket
+from proxy.relay.in_flight import InFlightTracker
+from proxy.wire.events import ErrorEvent, Finish
 
 BASE = WireFacts(inference=True, status=200, finish=Finish("stop", "eos"), done=True)
 

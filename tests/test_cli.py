@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from proxy.cli import main
+from proxy.serve.cli import main
 from tests.support.ports import free_port
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from proxy.deadlines import Deadlines
+from proxy.relay.deadlines import Deadlines
 
 
 async def _wait_guarded(deadlines: Deadlines, seconds: float) -> None:

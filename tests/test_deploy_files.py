@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.metrics import ProxyMetrics
+from proxy.observers.metrics import ProxyMetrics
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import ScriptedUpstream
 
@@ -139,7 +139,7 @@ def test_dashboard_and_rules_name_only_metrics_the_proxy_exports_or_rules_record
     expressions += [rule["expr"] for rule in rules()]
     expressions += [v["query"] for v in render.dashboard()["templating"]["list"] if v["type"] == "query"]
     unknown = {name for expr in expressions for name in names_in(expr)} - exported - recorded - {"up"}
-    assert not unknown, f"not exported by proxy/metrics.py nor recorded: {sorted(unknown)}"
+    assert not unknown, f"not exported by proxy/observers/metrics.py nor recorded: {sorted(unknown)}"
 
 
 def test_recording_rule_names_follow_level_metric_operation() -> None:

@@ -15,11 +15,12 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import start_proxy
-from proxy.history import History
+from proxy.observers.history import History
+from proxy.serve.app import start_proxy
 from proxy.simulator import SCENARIOS, start_simulator
-from proxy.sweep.cli import execute, plan_from_args
-from proxy.sweep.diagnose import budget_band, groups_of
+from proxy.sweep.live import budget_band, groups_of
+from proxy.sweep.session import execute
+from proxy.sweep.sweep_command import plan_from_args
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream

@@ -7,8 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.dialects import REGISTRY, anthropic, dialect_named, ollama, openai, responses, route_of
-from proxy.events import (
+from proxy.diagnosis.recorder import read_request
+from proxy.wire.dialects import REGISTRY, anthropic, dialect_named, ollama, openai, responses, route_of
+from proxy.wire.events import (
     DONE,
     ONE_REASONING_TOKEN,
     ONE_TOKEN,
@@ -19,7 +20,6 @@ from proxy.events import (
     TokenDelta,
     Usage,
 )
-from proxy.recorder import read_request
 from tests.support.wire import anthropic_message, anthropic_stream, responses_body, responses_stream
 
 

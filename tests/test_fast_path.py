@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import dialect_named
-from proxy.plain import PlainTokens
-from proxy.recorder import ParseLimits, Recorder
+from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.wire.dialects import dialect_named
+from proxy.wire.fast_tokens import PlainTokens
 
 TEXTS = ["tok ", "", " ", 'say "hi"', "back\\slash", "line\nbreak", "tab\there", "é漢🙂", "\u0001ctl",
          '"finish_reason":null', '","done":false}', "data: [DONE]", "\r\n", "{}", "\\u0041", "x" * 300]

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.load.resources import fd_census, raise_fd_limit, rss_bytes, settle_memory
 from tests.support.faulty_upstream import BIG_BODY_SIZE, HEALTHY_BODY, MIB, FaultyUpstream, big_body_block
 from tests.support.proxies import ProxyFactory, record_for

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import dialect_named
-from proxy.events import Event, ParseError, TokenDelta
-from proxy.lines import LineSplitter
-from proxy.parsers import ResponseParser, parser_for
-from proxy.recorder import ParseLimits, Recorder
-from proxy.sse import SseDecoder
+from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.wire.dialects import dialect_named
+from proxy.wire.events import Event, ParseError, TokenDelta
+from proxy.wire.lines import LineSplitter
+from proxy.wire.parsers import ResponseParser, parser_for
+from proxy.wire.sse import SseDecoder
 from tests.support.chunking import split_at
 from tests.support.wire import anthropic_stream, ollama_stream, openai_stream, responses_stream
 

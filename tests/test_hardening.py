@@ -24,8 +24,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.app import RunningProxy
 from proxy.config import ConfigError, parse_upstream_url
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import JSON_HEADERS, openai_completion, openai_stream

@@ -11,10 +11,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from proxy.app import start_proxy
-from proxy.history import History
+from proxy.observers.history import History
+from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord
-from proxy.store import RecordQuery
+from proxy.serve.app import start_proxy
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream
@@ -135,7 +135,7 @@ def record(request_id: str, started_at: float) -> ResponseRecord:
 
 
 def test_the_cli_default_is_a_file_in_the_users_state_directory(tmp_path: Path) -> None:
-    from proxy.cli import history_path
+    from proxy.serve.cli import history_path
 
     os.environ["XDG_STATE_HOME"] = str(tmp_path)
     try:

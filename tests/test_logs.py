@@ -9,9 +9,9 @@ import orjson
 import pytest
 import structlog
 
-import proxy.logs as logs
+import proxy.observers.logs as logs
+from proxy.diagnosis.recorder import Recorder
 from proxy.record import ResponseRecord
-from proxy.recorder import Recorder
 from tests.support.wire import openai_stream
 
 
@@ -88,7 +88,7 @@ async def test_the_lines_of_one_loop_turn_are_flushed_once(stdout: _Stdout) -> N
 async def test_a_flush_that_failed_is_said_by_the_next_line_written(stdout: _Stdout) -> None:
     import asyncio
 
-    from proxy.observers import ObserverChain
+    from proxy.observers.chain import ObserverChain
 
     stdout.buffer = _CountingBuffer(fail=True)
     logs.configure_logging("info", "json", stream=stdout)
@@ -120,7 +120,7 @@ def test_the_timestamp_is_the_one_structlog_writes(epoch: float, monkeypatch: py
 def test_a_broken_stdout_never_breaks_the_observer_chain(stdout: _Stdout) -> None:
     """structlog's own lines raise on a broken stdout, the chain's warning among them: the chain
     goes on, and the record says what failed."""
-    from proxy.observers import ObserverChain
+    from proxy.observers.chain import ObserverChain
 
     stdout.buffer = _CountingBuffer(fail=True)
     logs.configure_logging("info", "json", stream=stdout)

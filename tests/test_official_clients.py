@@ -9,7 +9,7 @@ import ollama
 import openai
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from proxy.simulator import RunningSimulator, SimulatorConfig, start_simulator
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from proxy.sweep.runner import SweepPlan, run_sweep
 from proxy.sweep.stats import by_level, summarize
 from proxy.sweep.verdict import decide

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects import dialect_named, llamacpp, ollama, openai
-from proxy.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
-from proxy.lines import LineSplitter
-from proxy.parsers import ORJSON_MAX_BYTES, load_json, parser_for
-from proxy.recorder import read_request
-from proxy.sse import SseDecoder
+from proxy.diagnosis.recorder import read_request
+from proxy.wire.dialects import dialect_named, llamacpp, ollama, openai
+from proxy.wire.events import DONE, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
+from proxy.wire.lines import LineSplitter
+from proxy.wire.parsers import ORJSON_MAX_BYTES, load_json, parser_for
+from proxy.wire.sse import SseDecoder
 from tests.support.chunking import split_at
 from tests.support.wire import ollama_stream, openai_completion, openai_stream, sse
 

@@ -8,7 +8,7 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import start_proxy
+from proxy.serve.app import start_proxy
 from tests.support.chunking import split_at
 from tests.support.proxies import proxy_config
 from tests.support.scripted_upstream import Script, ScriptedUpstream

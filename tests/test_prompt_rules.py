@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from proxy.prompt_rules import APPROXIMATE_SLACK, PromptCount, length_cause_from_prompt, prompt_truncation
+from proxy.diagnosis.prompt_rules import APPROXIMATE_SLACK, PromptCount, length_cause_from_prompt, prompt_truncation
 from proxy.record import RequestInfo, ResponseRecord
-from proxy.server_info import UNKNOWN_SERVER, ServerFacts, ServerInfo
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
 
 OLLAMA = ServerFacts("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048)}, version="0.33.2")
 VLLM = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})

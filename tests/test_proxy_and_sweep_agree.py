@@ -9,7 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from proxy.sweep.runner import SweepPlan, request_body, send_one
 from tests.support.proxies import record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream

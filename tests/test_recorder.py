@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from proxy.diagnosis.recorder import Recorder
 from proxy.record import ResponseRecord
-from proxy.recorder import Recorder
 from tests.support.wire import (
     anthropic_stream,
     chat_chunk,

@@ -15,8 +15,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.cli import build_parser, config_from_args
 from proxy.config import ProxyConfig, parse_host_port
+from proxy.serve.cli import build_parser, config_from_args
 from tests.support.faulty_upstream import FaultyUpstream
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
@@ -154,7 +154,7 @@ async def test_record_and_log_observer_hold_no_secrets_in_process(secret_upstrea
                                                                   make_proxy: ProxyFactory) -> None:
     import io
 
-    from proxy.logs import LogObserver, configure_logging
+    from proxy.observers.logs import LogObserver, configure_logging
 
     stream = io.BytesIO()
     configure_logging("debug", "json", stream=stream)

@@ -16,12 +16,19 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import RunningProxy, start_proxy
-from proxy.prompt_rules import PromptCount
+from proxy.diagnosis.prompt_rules import PromptCount
+from proxy.diagnosis.recorder import Recorder, TokenizerQuery
+from proxy.diagnosis.server_check import (
+    CheckLimits,
+    ServerCheck,
+    ServerFactsProbe,
+    ServerTokenizer,
+    TokenizerUnavailable,
+)
+from proxy.diagnosis.server_reads import read_server_facts
 from proxy.record import ResponseRecord
-from proxy.recorder import Recorder, TokenizerQuery
-from proxy.server_check import CheckLimits, ServerCheck, ServerFactsProbe, ServerTokenizer, TokenizerUnavailable
-from proxy.server_info import ServerFacts, ServerInfo, read_server_facts
+from proxy.serve.app import RunningProxy, start_proxy
+from proxy.wire.server_facts import ServerFacts, ServerInfo
 from tests.support.proxies import ProxyFactory, proxy_config, record_for
 from tests.support.vllm_upstream import MODEL, FakeVllm
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from proxy.cli import build_parser, main
-from proxy.simulator.cli import config_from_args
-from proxy.simulator.config import SCENARIOS
+from proxy.serve.cli import build_parser, main
+from proxy.simulator.settings import SCENARIOS
+from proxy.simulator.simulate_command import config_from_args
 
 
 def parse(*argv: str) -> object:

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.config import ConfigError
-from proxy.simulator.config import SCENARIOS, SimulatorConfig
 from proxy.simulator.engine import EngineCore, Output, Preempted, Rejected, Scheduled, SequenceSpec
 from proxy.simulator.sampling import AnswerSampler, estimate_prompt_tokens
+from proxy.simulator.settings import SCENARIOS, SimulatorConfig
 from proxy.simulator.workload import Outcome, run_closed_loop, spec_for
 
 MAX_TOKENS = 128

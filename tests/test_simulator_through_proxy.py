@@ -12,9 +12,9 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.app import RunningProxy, start_proxy
+from proxy.serve.app import RunningProxy, start_proxy
 from proxy.simulator import RunningSimulator, SimulatorConfig, start_simulator
-from proxy.simulator.config import SCENARIOS
+from proxy.simulator.settings import SCENARIOS
 from tests.support.proxies import proxy_config
 
 QUICK = {"token_time_s": 0.001, "prefill_time_per_token_s": 0.0}

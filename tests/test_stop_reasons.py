@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import (

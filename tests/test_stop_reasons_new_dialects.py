@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import (

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.config import ConfigError
 from proxy.simulator import SCENARIOS, start_simulator
-from proxy.sweep.cli import parse_levels
+from proxy.sweep.sweep_command import parse_levels
 from tests.support.proxies import ProxyFactory
 from tests.support.sweep_upstream import LoadUpstream, running_load
 

@@ -6,11 +6,11 @@ import io
 
 import pytest
 
-from proxy.app import start_proxy
+from proxy.serve.app import start_proxy
 from proxy.simulator import start_simulator
-from proxy.simulator.config import SCENARIOS
-from proxy.sweep.cli import execute
+from proxy.simulator.settings import SCENARIOS
 from proxy.sweep.runner import SweepPlan
+from proxy.sweep.session import execute
 from tests.support.proxies import proxy_config
 
 

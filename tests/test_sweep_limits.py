@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from proxy.record import ResponseRecord
-from proxy.server_info import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
 from proxy.sweep.limits import characterise
+from proxy.wire.server_facts import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
 
 
 def cut(prompt: int, output: int) -> ResponseRecord:

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from proxy.sweep.runner import SweepError, SweepPlan, request_body, run_level, run_sweep
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream

@@ -11,10 +11,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import RunningProxy, start_proxy
 from proxy.record import ResponseRecord
-from proxy.simulator.config import SCENARIOS
+from proxy.serve.app import RunningProxy, start_proxy
 from proxy.simulator.server import RunningSimulator, start_simulator
+from proxy.simulator.settings import SCENARIOS
 from tests.support.proxies import proxy_config
 
 INTERVAL = 0.05  # fast polls, so that even 0.2 s answers have samples inside them

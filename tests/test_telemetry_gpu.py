@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from proxy.metrics import ProxyMetrics
-from proxy.telemetry.gpu import (
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.telemetry.gpu import (
     GpuPoller,
     GpuProcess,
     GpuReading,
@@ -22,7 +22,7 @@ from proxy.telemetry.gpu import (
     NvmlReader,
     attributed_gpu,
 )
-from proxy.telemetry.samples import SampleRing
+from proxy.observers.telemetry.samples import SampleRing
 
 GIB = 1 << 30
 

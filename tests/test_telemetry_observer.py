@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from proxy.observers.telemetry.enricher import TelemetryObserver
+from proxy.observers.telemetry.gpu import GpuProcess, GpuReading, GpuSnapshot
+from proxy.observers.telemetry.samples import SampleRing
+from proxy.observers.telemetry.server_metrics import UpstreamState
 from proxy.record import ResponseRecord
-from proxy.telemetry.gpu import GpuProcess, GpuReading, GpuSnapshot
-from proxy.telemetry.observer import TelemetryObserver
-from proxy.telemetry.samples import SampleRing
-from proxy.telemetry.upstream import UpstreamState
 
 GIB = 1 << 30
 

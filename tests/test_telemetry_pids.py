@@ -7,7 +7,7 @@ import os
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.telemetry.pids import listening_inodes, local_port, parent_of, upstream_pids, with_descendants
+from proxy.observers.telemetry.pids import listening_inodes, local_port, parent_of, upstream_pids, with_descendants
 
 TCP_TABLE = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.telemetry.samples import (
+from proxy.observers.telemetry.samples import (
     SampleRing,
     capacity_for,
     counter_increase,

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.config import ProxyConfig
-from proxy.metrics import ProxyMetrics
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.telemetry import Telemetry
 from proxy.record import ResponseRecord
-from proxy.telemetry import Telemetry
 from tests.test_telemetry_gpu import GIB, FakeGpu, FakeNvml
 from tests.test_telemetry_upstream import VLLM_V1, FakeUpstream
 

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from proxy.metrics import ProxyMetrics
-from proxy.telemetry.samples import SampleRing
-from proxy.telemetry.upstream import (
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.telemetry.samples import SampleRing
+from proxy.observers.telemetry.server_metrics import (
     LoadedModel,
     UpstreamPoller,
     UpstreamSeries,

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream

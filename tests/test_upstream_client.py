@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import chat_chunk, sse
@@ -154,7 +154,7 @@ async def test_a_head_answer_has_no_body_and_its_connection_carries_the_next_req
 
 async def test_an_idle_pooled_connection_is_closed_after_the_pools_idle_time(
         raw: RawUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    import proxy.upstream_client as upstream_client
+    import proxy.relay.upstream.pool as upstream_client
 
     monkeypatch.setattr(upstream_client, "POOLED_IDLE_S", 0.2)
     monkeypatch.setattr(upstream_client, "SWEEP_EVERY_S", 0.1)

@@ -185,7 +185,7 @@ async def test_a_streamed_request_body_is_not_sent_twice(
 def test_an_idle_connection_the_peer_closed_is_readable_one_still_open_is_not() -> None:
     import socket
 
-    from proxy.upstream_client import readable
+    from proxy.relay.upstream.pool import readable
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())
@@ -207,7 +207,7 @@ async def test_a_pooled_connection_the_server_went_quiet_on_too_long_ago_is_not_
     (tcpi_last_data_recv), not from when the pool took the connection back: on a busy loop, or
     behind a slow client, that release came seconds later, and a POST sent on it met the
     server's close (seen against vLLM: about 1 in 100 answers a 502)."""
-    import proxy.upstream_client as upstream_client
+    import proxy.relay.upstream.pool as upstream_client
 
     proxy = await make_proxy(keepalive.url)
     assert await post(client, proxy.proxy_url, "quiet-0") == (200, ANSWER)
@@ -226,7 +226,7 @@ async def test_a_pooled_connection_the_server_went_quiet_on_too_long_ago_is_not_
 def test_the_kernel_dates_the_last_byte_a_connection_received() -> None:
     import socket
 
-    from proxy.upstream_client import quiet_for
+    from proxy.relay.upstream.pool import quiet_for
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.support.proxies import ProxyFactory, record_for
 from tests.test_upstream_client import ANSWER, OK, RawUpstream, exchange, head_lines
 

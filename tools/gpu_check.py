@@ -65,7 +65,7 @@ def probe_nvml() -> dict[str, Any]:
     """One NVML read through the proxy's reader, as plain data; `error` set when init fails."""
     import pynvml  # type: ignore[import-untyped]
 
-    from proxy.telemetry.gpu import NvmlReader, error_kind
+    from proxy.observers.telemetry.gpu import NvmlReader, error_kind
 
     result: dict[str, Any] = {"pynvml_file": getattr(pynvml, "__file__", None), "error": None,
                               "driver_version": None, "nvml_version": None, "device_count": None,
@@ -126,7 +126,7 @@ def hold_gpu_memory(base_mib: int, step_mib: int, max_mib: int, every_s: float) 
 
 
 def run_upstream(args: argparse.Namespace) -> int:
-    from proxy.cli import main
+    from proxy.serve.cli import main
 
     if args.hold_mib > 0:
         threading.Thread(target=hold_gpu_memory, daemon=True, name="gpu-holder",

@@ -3,6 +3,8 @@
 It speaks vLLM's OpenAI-compatible API and Ollama's native API, and models the mechanisms that
 end answers early (a full KV cache, per-slot context, a hidden deadline), each switchable.
 The HTTP part is imported on first use, so `llm-diag-proxy --help` stays fast.
+
+Stands beside the proxy: must not import anything of it but config.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from proxy.simulator.config import SCENARIOS, SimulatorConfig
+from proxy.simulator.settings import SCENARIOS, SimulatorConfig
 
 if TYPE_CHECKING:
     from proxy.simulator.server import RunningSimulator, build_app, start_simulator

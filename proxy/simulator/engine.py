@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.simulator.config import SimulatorConfig
 from proxy.simulator.sampling import AnswerSampler
+from proxy.simulator.settings import SimulatorConfig
 
 # Why a sequence really ended. The wire says only `stop` or `length`; this is the ground truth
 # the simulator exports (`llm_sim_finished_total`) so tests can check the proxy's diagnosis.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.simulator.config import SimulatorConfig
 from proxy.simulator.engine import SequenceSpec
 from proxy.simulator.sampling import AnswerSampler
+from proxy.simulator.settings import SimulatorConfig
 
 
 class WireError(Exception):

@@ -14,11 +14,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from proxy.simulator import anthropic_wire, ollama_wire, openai_wire, responses_wire
-from proxy.simulator.config import SimulatorConfig
 from proxy.simulator.driver import EngineDriver, SequenceStream
 from proxy.simulator.engine import EngineCore, Output, Rejected, Scheduled, SequenceFinish
 from proxy.simulator.faults import FAULT_HEADER, FaultError, Faults, parse_faults
 from proxy.simulator.generation import GenerationRequest, WireError
+from proxy.simulator.settings import SimulatorConfig
 from proxy.simulator.vllm_metrics import metrics_registry, render
 
 VLLM_VERSION = "0.11.0"

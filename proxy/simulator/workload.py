@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.simulator.config import SimulatorConfig
 from proxy.simulator.engine import EngineCore, Output, Rejected, SequenceFinish, SequenceSpec
 from proxy.simulator.sampling import AnswerSampler
+from proxy.simulator.settings import SimulatorConfig
 
 IDLE_TICK_S = 0.001
 

@@ -20,11 +20,12 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from proxy.diagnosis.recorder import Recorder
+from proxy.diagnosis.server_check import ServerTokenizer, settle_now
+from proxy.diagnosis.server_reads import read_server_facts, read_server_info
 from proxy.record import record_from_dict
-from proxy.recorder import Recorder
-from proxy.server_check import ServerTokenizer, settle_now
-from proxy.server_info import UNKNOWN_SERVER, ServerFacts, ServerInfo, read_server_facts, read_server_info
 from proxy.sweep.sample import ClientMeasure, Sample
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
 SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
-from proxy.server_info import ServerInfo
 from proxy.sweep.limits import CONTEXT_SLACK, characterise
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import (
@@ -31,6 +30,7 @@ from proxy.sweep.stats import (
     output_tokens,
     stop_label,
 )
+from proxy.wire.server_facts import ServerInfo
 
 VerdictKind = Literal["insufficient_data", "baseline_truncation", "policy", "serving_defect",
                       "hidden_cap", "length_shift", "no_load_effect"]

@@ -18,10 +18,10 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from proxy.dialects import dialect_named
-    from proxy.events import Event, ParseError
-    from proxy.lines import LineSplitter
-    from proxy.parsers import ResponseParser, parser_for
+    from proxy.wire.dialects import dialect_named
+    from proxy.wire.events import Event, ParseError
+    from proxy.wire.lines import LineSplitter
+    from proxy.wire.parsers import ResponseParser, parser_for
 
 KINDS = (
     ("openai", "text/event-stream", ""),

@@ -153,8 +153,8 @@ def python_eos_server(tmp_path_factory: pytest.TempPathFactory, eos_model: Path)
 @pytest.fixture
 async def proxy_for() -> AsyncIterator[object]:
     """A factory: `await proxy_for(upstream_url)` starts a proxy on ephemeral ports, closed after the test."""
-    from proxy.app import start_proxy
     from proxy.config import HostPort, ProxyConfig
+    from proxy.serve.app import start_proxy
 
     started: list[object] = []
 

@@ -15,9 +15,9 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from proxy.app import start_proxy
 from proxy.config import HostPort, ProxyConfig
-from proxy.sweep.cli import SweepOutcome
+from proxy.serve.app import start_proxy
+from proxy.sweep.session import SweepOutcome
 from tests.llamacpp import llama_cpp_python_server
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, UNIFIED_PROMPT
 from tests.llamacpp.llama_cpp_python_server import LlamaCppPythonServer

@@ -13,8 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.app import RunningProxy, start_proxy
 from proxy.config import HostPort, ProxyConfig
+from proxy.serve.app import RunningProxy, start_proxy
 from tests.llamacpp.conftest import EOS_AFTER, EOS_PROMPT, EOS_PROMPT_TOKENS, SLOT_CTX, UNIFIED_PROMPT
 from tests.llamacpp.llama_server import ALIAS, LlamaServer
 from tests.llamacpp.test_proxy_against_llamacpp import GREEDY, new_id, record_of

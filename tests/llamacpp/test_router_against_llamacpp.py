@@ -14,8 +14,8 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.app import start_proxy
 from proxy.config import HostPort, ProxyConfig
+from proxy.serve.app import start_proxy
 from proxy.sweep.runner import SweepPlan, run_sweep
 from tests.llamacpp.llama_server import BINARY, LlamaServer
 from tests.llamacpp.test_proxy_against_llamacpp import record_of

@@ -22,9 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy.app import RunningProxy, start_proxy
 from proxy.config import HostPort, ProxyConfig
 from proxy.record import ResponseRecord
+from proxy.serve.app import RunningProxy, start_proxy
 from tests.load.resources import FdCensus, fd_census, pending_tasks, raise_fd_limit, rss_bytes, settle_memory
 
 SCENARIOS = ("normal", "disconnect", "cut", "slow", "stall")

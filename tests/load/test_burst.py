@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.app import RunningProxy
+from proxy.serve.app import RunningProxy
 from tests.load.resources import raise_fd_limit
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import ScriptedUpstream

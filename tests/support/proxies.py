@@ -15,9 +15,9 @@ from typing import Any
 
 import orjson
 
-from proxy.app import RunningProxy
 from proxy.config import HostPort, ProxyConfig
 from proxy.record import ResponseRecord
+from proxy.serve.app import RunningProxy
 from tests.support.ports import free_port
 
 LOOPBACK_ANY = HostPort("127.0.0.1", 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from proxy.sweep.cli import SweepOutcome, execute
 from proxy.sweep.runner import SweepPlan
+from proxy.sweep.session import SweepOutcome, execute
 
 
 async def sweep_through(proxy_url: str, admin_url: str, *, prompt: str, levels: tuple[int, ...], repeats: int,

@@ -61,8 +61,8 @@ async def proxy_for() -> AsyncIterator[Any]:
     /metrics every 0.1 s, closed after the test."""
     from dataclasses import replace
 
-    from proxy.app import start_proxy
     from proxy.config import HostPort, ProxyConfig
+    from proxy.serve.app import start_proxy
 
     started: list[Any] = []
 

@@ -15,7 +15,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from proxy.sweep.cli import SweepOutcome
+from proxy.sweep.session import SweepOutcome
 from tests.support.proxies import start_served
 from tests.support.sweeps import sweep_through
 from tests.vllm.conftest import EOS_AFTER

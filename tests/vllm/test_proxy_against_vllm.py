@@ -17,10 +17,10 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.metrics import ProxyMetrics
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.telemetry.samples import SampleRing
+from proxy.observers.telemetry.server_metrics import UpstreamPoller, UpstreamState
 from proxy.record import ResponseRecord
-from proxy.telemetry.samples import SampleRing
-from proxy.telemetry.upstream import UpstreamPoller, UpstreamState
 from tests.support.proxies import record_for
 from tests.support.relay import blocking_relay
 from tests.support.tee import ByteTee, first_http_response

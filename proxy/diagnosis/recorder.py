@@ -1,0 +1,352 @@
+"""The per-exchange recorder: what one request and its response showed, turned into one record.
+
+It is fed from outside and does no I/O: the request body, the response head, each chunk, and
+how the exchange ended (the end of the body, a reset, a client gone, a connect failure, an
+enforced deadline). `finish()` classifies and returns the `ResponseRecord`. The forwarding path
+feeds it from the proxy's side and the sweep from the client's side, so both classify alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from proxy.diagnosis.classify import WireFacts, classify
+from proxy.diagnosis.prompt_rules import PromptCount, context_of, length_cause_from_prompt, prompt_truncation
+from proxy.diagnosis.stream_tally import StreamTally
+from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind
+from proxy.wire.byte_budget import UNLIMITED, ByteBudget
+from proxy.wire.dialects import FALLBACK, route_of
+from proxy.wire.dialects.base import Dialect
+from proxy.wire.parsers import load_json, parser_for
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
+
+DeadlineHit = Literal["total", "idle"]
+QUEUE_TIME_RESOLUTION = 9  # decimals: ns, as servers report durations; below is float noise
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerQuery:
+    """A finished record's request, for the server's tokenizer to count its prompt: the request body
+    as the client sent it (the prompt's text never leaves the proxy's memory but to that server)."""
+
+    dialect: str
+    route: str
+    model: str | None
+    body: bytes
+    requested_max_tokens: int
+    truncate_prompt_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParseLimits:
+    """How much of a response the recorder reads: the longest line, the largest JSON body."""
+
+    max_line_bytes: int = 4 * 1024 * 1024
+    body_cap_bytes: int = 32 * 1024 * 1024
+    budget: ByteBudget = UNLIMITED  # shared by every exchange of a process
+    fast_path: bool = True  # plain token events counted without decoding (identical records)
+
+
+def read_request(dialect: Dialect, body: bytes | bytearray) -> RequestInfo:
+    """What a generation request asks for; never raises (a body it cannot read is noted)."""
+    info = RequestInfo()
+    if not body:
+        info.body_note = "empty body"
+        return info
+    try:
+        obj = load_json(body)
+    except ValueError:
+        info.body_note = "request body is not JSON"
+        return info
+    if not isinstance(obj, dict):
+        info.body_note = "request body is not a JSON object"
+        return info
+    info.body_parsed = True
+    stream = obj.get("stream")
+    info.stream = stream if isinstance(stream, bool) else dialect.streams_by_default
+    try:
+        dialect.read_request(obj, info)
+    except (TypeError, ValueError, AttributeError) as exc:  # a field of an unexpected shape
+        info.body_note = f"request field not understood: {type(exc).__name__}"
+    return info
+
+
+class Recorder:
+    """One exchange: request, response head, chunks and its end in, one `ResponseRecord` out."""
+
+    __slots__ = (
+        "_client_gone",
+        "_connect_error",
+        "_deadline_observed",
+        "_dialect",
+        "_ended_at",
+        "_enforced",
+        "_error_detail",
+        "_info",
+        "_limits",
+        "_request_body",
+        "_reset",
+        "_shutdown",
+        "_started",
+        "record",
+        "tally",
+    )
+
+    def __init__(self, record: ResponseRecord, dialect: Dialect | None, started: float,
+                 limits: ParseLimits = ParseLimits()) -> None:
+        self.record = record
+        self._dialect = dialect
+        self._started = started  # monotonic; record.started_at is the same moment in unix time
+        self._limits = limits
+        self._info = RequestInfo()
+        self._request_body: bytes | bytearray | None = None  # held for the server's tokenizer, never copied
+        self.tally = StreamTally(None)
+        self._connect_error: UpstreamErrorKind | None = None
+        self._error_detail: str | None = None
+        self._reset = False
+        self._client_gone = False
+        self._enforced: DeadlineKind = "none"
+        self._deadline_observed: DeadlineKind = "none"
+        self._shutdown = False
+        self._ended_at: float | None = None
+
+    @classmethod
+    def start(cls, request_id: str, method: str, path: str, *, limits: ParseLimits = ParseLimits(),
+              started: float | None = None) -> Recorder:
+        """A recorder for a request to `path`, its dialect found by route."""
+        route, dialect = route_of(path)
+        record = ResponseRecord(request_id=request_id, method=method, path=path[:512], route=route,
+                                dialect=dialect.name if dialect is not None else "none", started_at=time.time())
+        return cls(record, dialect, time.monotonic() if started is None else started, limits)
+
+    @property
+    def inference(self) -> bool:
+        """The request is a generation in a dialect the proxy reads."""
+        return self._dialect is not None
+
+    def trace_context(self, traceparent: str | None) -> None:
+        """The client's W3C `traceparent` (version 00): its trace and span ids go on the record,
+        so the exported span joins the client's trace; anything malformed is ignored."""
+        if traceparent is None or len(traceparent) != 55:
+            return
+        version, trace_id, span_id, flags = [*traceparent.split("-"), "", "", ""][:4]
+        valid = (version == "00" and len(trace_id) == 32 and len(span_id) == 16 and len(flags) == 2
+                 and all(c in "0123456789abcdef" for c in trace_id + span_id + flags)
+                 and trace_id != "0" * 32 and span_id != "0" * 16)
+        if valid:
+            self.record.trace_id, self.record.parent_span_id = trace_id, span_id
+
+    # --- the request ----------------------------------------------------------------------
+    def request_body(self, body: bytes | bytearray | None, note: str | None = None) -> None:
+        """The request body when it was held whole (None: none, or too large to read; `note` says)."""
+        if self._dialect is not None and body is not None:
+            self._info = read_request(self._dialect, body)
+            self._request_body = body
+        if note is not None:
+            self._info.body_note = note
+        info, record = self._info, self.record
+        record.model, record.stream = info.model, info.stream
+        record.requested_max_tokens, record.seed, record.temperature = (
+            info.requested_max_tokens, info.seed, info.temperature)
+        record.num_ctx, record.n, record.user_turn = info.num_ctx, info.n, info.user_turn
+        record.request_note = info.body_note if info.body_note != "empty body" else None
+
+    # --- the response ---------------------------------------------------------------------
+    def response_head(self, status: int, content_type: str, content_encoding: str = "",
+                      content_length: int | None = None) -> None:
+        """The upstream answered: generations and any error body are read."""
+        self.record.status = status
+        if self.inference or status >= 400:
+            dialect = self._dialect or FALLBACK
+            self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
+                                                max_line=self._limits.max_line_bytes,
+                                                body_cap=self._limits.body_cap_bytes,
+                                                budget=self._limits.budget, content_length=content_length,
+                                                fast_path=self._limits.fast_path))
+
+    def chunk(self, data: bytes, now: float) -> None:
+        """A chunk of the response body, already on its way to the client."""
+        self.tally.feed(data, now)
+
+    def body_ended(self, now: float) -> None:
+        """No more body bytes: the end, a break or a cut (idempotent)."""
+        if self._ended_at is None:
+            self._ended_at = now
+            self.tally.close(now)
+
+    # --- how it ended ---------------------------------------------------------------------
+    def no_answer(self, error: UpstreamErrorKind, detail: str, status: int | None = None) -> None:
+        """No usable answer came from the upstream (`status`: what the proxy answered instead)."""
+        self.record.status = status
+        self._connect_error = error
+        self._error_detail = detail
+
+    def upstream_broke(self, detail: str) -> None:
+        """The upstream connection broke in the middle of the body."""
+        self._reset = True
+        self._error_detail = detail
+
+    def client_left(self, detail: str | None = None) -> None:
+        self._client_gone = True
+        if detail is not None and self._error_detail is None:
+            self._error_detail = detail
+
+    def deadline_enforced(self, kind: DeadlineHit, status: int | None = None) -> None:
+        """The proxy cut the exchange at a deadline (`status`: its own answer, before any head)."""
+        self._enforced = kind
+        if status is not None:
+            self.record.status = status
+
+    def proxy_shutdown(self, status: int | None = None) -> None:
+        """The proxy ended the exchange as it shut down (`status`: its own answer, before any head)."""
+        self._shutdown = True
+        if status is not None:
+            self.record.status = status
+
+    def deadline_observed(self, kind: DeadlineHit) -> None:
+        """A deadline passed but was not enforced (observe mode)."""
+        self._deadline_observed = kind
+
+    def concurrency(self, at_start: int, peak: int, mean: float) -> None:
+        record = self.record
+        record.concurrency_at_start, record.concurrency_peak, record.concurrency_mean = at_start, peak, mean
+
+    @property
+    def client_gone(self) -> bool:
+        return self._client_gone
+
+    @property
+    def ended_at(self) -> float | None:
+        return self._ended_at
+
+    # --- the record -----------------------------------------------------------------------
+    def finish(self, now: float | None = None, server: ServerFacts = UNKNOWN_SERVER) -> ResponseRecord:
+        """Classify and fill the record; call once, after the exchange has ended. `server` is what the
+        upstream says of itself (which server, its context), for the prompt's fate."""
+        clock = time.monotonic() if now is None else now
+        self.body_ended(clock)
+        record, tally, info = self.record, self.tally, self._info
+        assert self._ended_at is not None
+        record.duration_s = self._ended_at - self._started
+        record.bytes_out = tally.bytes_out
+        self._fill_tokens()
+        if tally.streaming and tally.first_token_at is not None:
+            record.ttft_s = tally.first_token_at - self._started
+            record.itl_mean_s, record.itl_p95_s, record.itl_max_s = tally.itl_stats()
+        if tally.finish is not None:
+            record.finish_reason_raw = tally.finish.reason
+            record.truncated_flag = tally.finish.truncated
+        self._fill_timings()
+        record.parse_error = tally.parse_errors > 0
+        record.parse_error_detail = tally.parse_error
+        diagnosis = classify(WireFacts(
+            inference=self.inference, status=record.status, connect_error=self._connect_error,
+            error_detail=self._error_detail, upstream_reset=self._reset, client_disconnected=self._client_gone,
+            enforced=self._enforced, proxy_shutdown=self._shutdown, finish=tally.finish, error=tally.error,
+            done=tally.done,
+            parse_failed=record.parse_error, output_tokens=record.output_tokens,
+            tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
+            n=record.n, stop_requested=info.stop_requested, stop_token_ids=info.stop_token_ids,
+            streamed=tally.streaming, has_prompt=info.has_prompt,
+            request_read=info.body_parsed or self._dialect is None))
+        record.stop_reason = diagnosis.stop_reason
+        record.stop_reason_certain = diagnosis.certain
+        record.length_cause = diagnosis.length_cause
+        record.length_cause_source = diagnosis.length_cause_source
+        record.upstream_error = diagnosis.upstream_error
+        record.upstream_error_detail = diagnosis.upstream_error_detail
+        if record.stop_reason == "not_generated":
+            record.stop_detail = (f"the server generated nothing (done_reason {record.finish_reason_raw!r}): "
+                                  + ("the chat has no user turn" if info.user_turn is False
+                                     else "it treated the request as a model load"))
+        self._fill_prompt(server)
+        if record.length_cause_source == "request_unread":
+            record.length_cause_detail = f"not decided: the request was not read ({info.body_note or 'no body'})"
+        if self._client_gone:
+            record.client_disconnected = True
+            record.disconnect_phase = "before_first_token" if tally.first_token_at is None else "mid_stream"
+        hit = self._enforced if self._enforced != "none" else self._deadline_observed
+        if hit != "none":
+            record.deadline_hit = hit
+            record.deadline_mode = "enforce" if self._enforced != "none" else "observe"
+        return record
+
+    def _fill_prompt(self, server: ServerFacts) -> None:
+        """The prompt's fate, by the server's own numbers and rules (see proxy.diagnosis.prompt_rules)."""
+        record, info = self.record, self._info
+        if not self.inference or not info.body_parsed:
+            return
+        record.context_tokens = context_of(record, info, server)
+        finding = prompt_truncation(record, info, server)
+        record.prompt_truncated, record.prompt_truncated_detail = finding.truncated, finding.detail
+
+    def tokenizer_query(self) -> TokenizerQuery | None:
+        """For a finished length stop whose cause the counted tokens left open: what the server's
+        tokenizer needs to count its prompt. None when the record needs nothing more (or the proxy
+        did not read the request)."""
+        record, info = self.record, self._info
+        body = self._request_body
+        if (record.stop_reason != "length" or record.length_cause_source != "counted" or body is None
+                or record.requested_max_tokens is None or not info.has_prompt or self._dialect is None):
+            return None
+        return TokenizerQuery(self._dialect.name, record.route, record.model, bytes(body),
+                              record.requested_max_tokens, info.truncate_prompt_tokens)
+
+    @staticmethod
+    def settle_length(record: ResponseRecord, query: TokenizerQuery, kind: str, count: PromptCount | None,
+                      note: str | None) -> None:
+        """What the server's tokenizer said of a record from `tokenizer_query`: its prompt count decides
+        the length cause by the server's own rule, or `note` says why it could not."""
+        if count is None:
+            record.length_cause_detail = note
+            return
+        if record.prompt_tokens is None:
+            record.prompt_tokens, record.prompt_tokens_source = count.tokens, "tokenizer"
+        if record.context_tokens is None:
+            record.context_tokens = count.context
+        cause, detail = length_cause_from_prompt(kind, count, query.requested_max_tokens,
+                                                 query.truncate_prompt_tokens)
+        record.length_cause, record.length_cause_detail = cause, detail
+        if cause != "unknown":
+            record.length_cause_source = "server_tokenizer"
+
+    def _fill_tokens(self) -> None:
+        record, tally = self.record, self.tally
+        usage = tally.usage
+        if usage is not None and usage.completion_tokens is not None:
+            record.output_tokens, record.tokens_source = usage.completion_tokens, "usage"
+        elif self.inference and (tally.tokens or tally.finish is not None or tally.done):
+            record.output_tokens, record.tokens_source = tally.tokens, "counted"
+        if usage is not None:
+            record.prompt_tokens = usage.prompt_tokens
+            if usage.prompt_tokens is not None:
+                record.prompt_tokens_source = "usage"
+        if usage is not None and usage.reasoning_tokens is not None:
+            record.reasoning_tokens = usage.reasoning_tokens
+        elif tally.reasoning and tally.reasoning == tally.tokens and record.output_tokens is not None:
+            # Thinking and nothing else: every token of the output went to it (Ollama's thinking that
+            # spends the whole num_predict and leaves `content` empty), whatever counted the output.
+            record.reasoning_tokens = record.output_tokens
+        elif tally.streaming and record.output_tokens is not None:
+            record.reasoning_tokens = tally.reasoning  # what the stream showed: 0 when it showed none
+        output, reasoning = record.output_tokens, record.reasoning_tokens
+        if output is None or reasoning is None:
+            return
+        record.visible_tokens = max(0, output - reasoning)
+        whole = record.requested_max_tokens or output
+        record.reasoning_share = min(1.0, reasoning / whole) if whole else None
+
+    def _fill_timings(self) -> None:
+        timings = self.tally.timings
+        if timings is None:
+            return
+        record = self.record
+        record.server_timings = {k: v for k, v in (
+            ("total_s", timings.total_s), ("load_s", timings.load_s),
+            ("prompt_eval_s", timings.prompt_eval_s), ("eval_s", timings.eval_s)) if v is not None}
+        if timings.total_s is not None:  # what the server's own durations leave unaccounted: queueing
+            accounted = sum(v for v in (timings.load_s, timings.prompt_eval_s, timings.eval_s) if v)
+            record.queue_time_s = max(0.0, round(timings.total_s - accounted, QUEUE_TIME_RESOLUTION))
+            record.queue_time_source = "server_durations"

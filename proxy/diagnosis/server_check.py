@@ -1,0 +1,431 @@
+"""After a response ends: what only the server can still say, asked off the relay path.
+
+The proxy asks its upstream two things itself, on a connection of its own (never through the proxy
+port, so its calls are never client traffic in the records, the metrics or the history):
+- which server it is and the context a request gets (`ServerFactsProbe`: llama.cpp's `/props`,
+  vLLM's and SGLang's `/v1/models`, Ollama's `/api/version` and `/api/ps`), refreshed every
+  FACTS_REFRESH_S; every record's prompt verdict reads it;
+- for a length stop whose tokens were only counted (an OpenAI stream without usage), the prompt's
+  exact count by the server's own tokenizer and chat template (`ServerTokenizer`): vLLM's
+  `POST /tokenize` with the request's messages, llama.cpp's `POST /v1/chat/completions/input_tokens`
+  or `POST /tokenize`. The server's own budget rule then decides the cause (proxy.diagnosis.prompt_rules).
+
+A record that waits for the tokenizer reaches the observers once, with its final cause
+(`ServerCheck`). All of it is bounded: a queue of QUEUE_MAX records holding at most QUEUE_BYTES of
+request bodies, at most IN_FLIGHT calls at once, RATE_PER_S calls a second, TIMEOUT_S each. A
+record that does not fit, a server without a tokenizer, or one that fails or is too slow, keeps
+`unknown` with a note that says why. No client byte ever waits for any of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+
+from proxy.diagnosis.prompt_rules import PromptCount
+from proxy.diagnosis.recorder import Recorder, TokenizerQuery
+from proxy.diagnosis.server_reads import READ_TIMEOUT_S, read_server_facts
+from proxy.record import ResponseRecord
+from proxy.wire.dialects.base import as_int
+from proxy.wire.parsers import load_json
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, contexts_text
+
+_log = structlog.get_logger("llm_diag_proxy.server")
+
+FACTS_REFRESH_S = 60.0
+FACTS_RETRY_S = 5.0  # while the server is not known yet, or the last probe failed
+MAX_MODELS_ASKED = 64  # models a llama.cpp router is asked about, at most
+QUEUE_MAX = 1_000
+QUEUE_BYTES = 32 * 1024 * 1024
+IN_FLIGHT = 2
+RATE_PER_S = 20.0
+TIMEOUT_S = 5.0
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a tokenizer answers with every token id: a prompt's worth
+# Fields of a chat request that vLLM's chat template sees but /tokenize takes only as template kwargs
+# (vllm/entrypoints/openai/chat_completion/protocol.py, build_chat_params).
+_VLLM_TEMPLATE_KWARGS = ("documents", "reasoning_effort")
+_VLLM_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                     "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
+
+
+class TokenizerUnavailable(Exception):
+    """The server's tokenizer could not count the prompt; the message says why, in a few words."""
+
+    def __init__(self, reason: str, result: str = "failed") -> None:
+        super().__init__(reason)
+        self.result = result  # for the metric: unavailable | failed | timeout
+
+
+@dataclass(frozen=True, slots=True)
+class CheckLimits:
+    """How much the proxy asks of its upstream's tokenizer (one process's share, with --workers)."""
+
+    queue_max: int = QUEUE_MAX
+    queue_bytes: int = QUEUE_BYTES
+    in_flight: int = IN_FLIGHT
+    rate_per_s: float = RATE_PER_S
+    timeout_s: float = TIMEOUT_S
+
+    def share(self, workers: int) -> CheckLimits:
+        """This process's part when `workers` processes ask the same server."""
+        if workers <= 1:
+            return self
+        return CheckLimits(max(1, self.queue_max // workers), max(1 << 20, self.queue_bytes // workers),
+                           max(1, self.in_flight // workers), self.rate_per_s / workers, self.timeout_s)
+
+
+class ServerFactsProbe:
+    """What the upstream says of itself, kept fresh in the background; `facts` never waits."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str, *, enabled: bool = True) -> None:
+        self._session = session
+        self._base = base.rstrip("/")
+        self.enabled = enabled  # False: the server is never asked, and stays unknown
+        self.facts: ServerFacts = UNKNOWN_SERVER
+        self._models: dict[str, None] = {}  # models seen in requests (a router is asked about these)
+        self._wake = asyncio.Event()
+        self._logged: ServerFacts | None = None
+        self.asked = asyncio.Event()  # set once the first probe has an answer (or failed)
+
+    def saw_model(self, model: str | None) -> None:
+        """A request named `model`: a llama.cpp router, or an Ollama that has not loaded it yet, is
+        asked about it at the next probe, which comes at once for a model not known yet."""
+        if model is None or model in self._models or len(self._models) >= MAX_MODELS_ASKED:
+            return
+        self._models[model] = None
+        if self.facts.router or (self.facts.kind == "ollama" and model not in self.facts.by_model):
+            self._wake.set()
+
+    async def probe(self) -> ServerFacts:
+        """Ask once; keep what was known when the server does not answer (a restart is the same server)."""
+        found = await read_server_facts(self._session, self._base, tuple(self._models))
+        if found.kind != "unknown" or self.facts.kind == "unknown":
+            self.facts = found
+        if self.facts != self._logged:
+            self._logged = self.facts
+            _log.info("upstream_identified", kind=self.facts.kind, router=self.facts.router,
+                      contexts=contexts_text(self.facts))
+        return found
+
+    async def run(self) -> None:
+        while True:
+            try:
+                found = await self.probe()
+            except Exception as exc:  # a probe must never end the loop
+                _log.debug("upstream_probe_failed", error=repr(exc)[:200])
+                found = UNKNOWN_SERVER
+            self.asked.set()
+            wait = FACTS_REFRESH_S if found.kind != "unknown" else FACTS_RETRY_S
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+
+class ServerTokenizer:
+    """The upstream's own tokenizer, asked how many tokens a request's prompt has."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str, authorization: str | None = None) -> None:
+        self._session = session
+        self._base = base.rstrip("/")
+        self._authorization = authorization
+
+    async def count(self, query: TokenizerQuery, facts: ServerFacts, client_authorization: str | None = None,
+                    ) -> PromptCount:
+        """The prompt's count and the context the server gives it; TokenizerUnavailable otherwise."""
+        try:
+            request = load_json(query.body)
+        except ValueError:
+            raise TokenizerUnavailable("the request body is not JSON", "unavailable") from None
+        if not isinstance(request, dict):
+            raise TokenizerUnavailable("the request body is not a JSON object", "unavailable")
+        headers = {"Content-Type": "application/json"}
+        credential = client_authorization or self._authorization
+        if credential:
+            headers["Authorization"] = credential
+        if facts.kind == "vllm":
+            return await self._vllm(query, request, facts, headers)
+        if facts.kind == "llamacpp":
+            return await self._llamacpp(query, request, facts, headers)
+        raise TokenizerUnavailable(f"no tokenizer is known for this server ({facts.kind})", "unavailable")
+
+    async def _post(self, path: str, payload: dict[str, Any] | bytes, headers: dict[str, str]) -> Any:
+        """One tokenizer call. Counting has no side effect, so a pooled connection the server closed
+        under it (uvicorn's keep-alive timer, say) is tried once more on another."""
+        body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+        for attempt in (1, 2):
+            try:
+                async with self._session.post(self._base + path, data=body, headers=headers,
+                                              allow_redirects=False) as response:
+                    answer = await response.content.read(MAX_ANSWER_BYTES + 1)
+                    status = response.status
+                break
+            except TimeoutError:
+                raise TokenizerUnavailable(f"POST {path} timed out", "timeout") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2:
+                    raise TokenizerUnavailable(f"POST {path}: {type(exc).__name__}") from None
+            except aiohttp.ClientError as exc:
+                raise TokenizerUnavailable(f"POST {path}: {type(exc).__name__}") from None
+        if status == 404:
+            raise TokenizerUnavailable(f"POST {path} answered 404", "unavailable")
+        if status != 200:
+            raise TokenizerUnavailable(f"POST {path} answered {status}")
+        if len(answer) > MAX_ANSWER_BYTES:
+            raise TokenizerUnavailable(f"POST {path}: answer over {MAX_ANSWER_BYTES} bytes")
+        try:
+            return load_json(answer)
+        except ValueError:
+            raise TokenizerUnavailable(f"POST {path}: the answer is not JSON") from None
+
+    async def _vllm(self, query: TokenizerQuery, request: dict[str, Any], facts: ServerFacts,
+                    headers: dict[str, str]) -> PromptCount:
+        """vLLM's `POST /tokenize` renders `messages` with the same chat template as its chat route
+        (vllm/entrypoints/serve/tokenize/protocol.py, TokenizeChatRequest) and answers `count` and
+        `max_model_len`. What the chat route passes its template beyond those fields goes in as
+        template kwargs; a tool choice or response format cannot, so such a count is approximate."""
+        if "messages" in request:
+            payload = {k: request[k] for k in _VLLM_CHAT_FIELDS if k in request}
+            kwargs = dict(request.get("chat_template_kwargs") or {})
+            for name in _VLLM_TEMPLATE_KWARGS:
+                if request.get(name) is not None:
+                    kwargs.setdefault(name, request[name])
+            if request.get("reasoning_effort") is not None:
+                kwargs.setdefault("enable_thinking", request["reasoning_effort"] != "none")
+            if kwargs:
+                payload["chat_template_kwargs"] = kwargs
+            exact = "response_format" not in request and request.get("tool_choice") in (None, "auto", "none")
+        else:
+            prompt = request.get("prompt")
+            if isinstance(prompt, list) and prompt and all(as_int(t) is not None for t in prompt):
+                return PromptCount(len(prompt), _context(facts, query.model), "the request's own token ids")
+            if not isinstance(prompt, str):
+                raise TokenizerUnavailable("a batch of prompts is not counted", "unavailable")
+            payload = {"prompt": prompt, "add_special_tokens": request.get("add_special_tokens", True)}
+            exact = True
+        if query.model is not None:
+            payload["model"] = query.model
+        answer = await self._post("/tokenize", payload, headers)
+        count = as_int(answer.get("count")) if isinstance(answer, dict) else None
+        context = as_int(answer.get("max_model_len")) if isinstance(answer, dict) else None
+        if count is None:
+            raise TokenizerUnavailable("POST /tokenize answered without a count")
+        return PromptCount(count, context or _context(facts, query.model), "vLLM POST /tokenize", exact)
+
+    async def _llamacpp(self, query: TokenizerQuery, request: dict[str, Any], facts: ServerFacts,
+                        headers: dict[str, str]) -> PromptCount:
+        """llama-server counts a chat request whole, tools and template included, at
+        `POST /v1/chat/completions/input_tokens` (server-context.cpp, handle_count_tokens); a
+        `/completion` prompt at `POST /tokenize` with the special tokens it adds."""
+        suffix = "?autoload=false" if facts.router else ""
+        context = _context(facts, query.model)
+        if query.route in ("/v1/chat/completions", "/chat/completions"):
+            answer = await self._post(query.route + "/input_tokens" + suffix, query.body, headers)
+            count = as_int(answer.get("input_tokens")) if isinstance(answer, dict) else None
+            if count is None:
+                raise TokenizerUnavailable(f"POST {query.route}/input_tokens answered without input_tokens")
+            return PromptCount(count, context, f"llama.cpp POST {query.route}/input_tokens")
+        prompt = request.get("prompt")
+        if not isinstance(prompt, str):
+            raise TokenizerUnavailable("only a text prompt is counted", "unavailable")
+        payload: dict[str, Any] = {"content": prompt, "add_special": True, "parse_special": True}
+        if query.model is not None:
+            payload["model"] = query.model
+        answer = await self._post("/tokenize" + suffix, payload, headers)
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            raise TokenizerUnavailable("POST /tokenize answered without tokens")
+        return PromptCount(len(tokens), context, "llama.cpp POST /tokenize")
+
+
+async def settle_now(tokenizer: ServerTokenizer, record: ResponseRecord, query: TokenizerQuery, facts: ServerFacts,
+                     timeout_s: float = TIMEOUT_S) -> None:
+    """Ask the tokenizer for one record and wait (the sweep's own reading of a response)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            count = await tokenizer.count(query, facts)
+    except TimeoutError:
+        Recorder.settle_length(record, query, facts.kind, None, f"not decided: no answer within {timeout_s:g} s")
+    except TokenizerUnavailable as exc:
+        Recorder.settle_length(record, query, facts.kind, None,
+                               f"not decided: the server's tokenizer could not count the prompt: {exc}")
+    else:
+        Recorder.settle_length(record, query, facts.kind, count, None)
+
+
+def _context(facts: ServerFacts, model: str | None) -> int | None:
+    info = facts.info_for(model)
+    return info.context_per_request if info is not None else None
+
+
+@dataclass(slots=True)
+class _Waiting:
+    record: ResponseRecord
+    query: TokenizerQuery
+    authorization: str | None
+    size: int
+
+
+class ServerCheck:
+    """Holds each record that needs the server's tokenizer until it answers (bounded), then hands it
+    on; every other record passes straight through `deliver`."""
+
+    def __init__(self, probe: ServerFactsProbe, tokenizer: ServerTokenizer | None,
+                 deliver: Callable[[ResponseRecord], None], limits: CheckLimits = CheckLimits(),
+                 on_result: Callable[[str], None] = lambda result: None,
+                 clock: Callable[[], float] = time.monotonic, session: aiohttp.ClientSession | None = None) -> None:
+        self.probe = probe
+        self._session = session  # closed with the check, when it owns one
+        self._probing: asyncio.Task[None] | None = None
+        self._tokenizer = tokenizer
+        self._deliver = deliver
+        self._limits = limits
+        self._on_result = on_result
+        self._clock = clock
+        self._queue: deque[_Waiting] = deque()
+        self._bytes = 0
+        self._wake = asyncio.Event()
+        self._workers: list[asyncio.Task[None]] = []
+        self._allowance = float(max(1.0, limits.rate_per_s))
+        self._refilled = clock()
+        self._closed = False
+        self._busy = 0  # records a worker is asking about now
+        self._logged: set[str] = set()
+
+    @property
+    def facts(self) -> ServerFacts:
+        return self.probe.facts
+
+    def start(self) -> None:
+        """Start probing the server and, when its tokenizer is asked, the workers that ask it."""
+        loop = asyncio.get_running_loop()
+        if self.probe.enabled:
+            self._probing = loop.create_task(self.probe.run(), name="server-facts")
+        if self._tokenizer is not None:
+            self._workers = [loop.create_task(self._work(), name=f"server-tokenizer-{i}")
+                             for i in range(self._limits.in_flight)]
+
+    def finished(self, record: ResponseRecord, query: TokenizerQuery | None,
+                 authorization: str | None = None) -> None:
+        """A finished record: delivered now, or once the server's tokenizer has answered for it."""
+        if query is None:
+            self._deliver(record)
+            return
+        if self._tokenizer is None or self._closed:
+            self._give_up(record, query, "the server's tokenizer is not asked (--server-tokenizer off)"
+                          if self._tokenizer is None else "the proxy is stopping", "skipped")
+            return
+        size = len(query.body)
+        if len(self._queue) >= self._limits.queue_max or self._bytes + size > self._limits.queue_bytes:
+            self._give_up(record, query, "too many records were waiting for the server's tokenizer", "dropped")
+            return
+        self._queue.append(_Waiting(record, query, authorization, size))
+        self._bytes += size
+        self._wake.set()
+
+    def _give_up(self, record: ResponseRecord, query: TokenizerQuery, why: str, result: str) -> None:
+        Recorder.settle_length(record, query, self.facts.kind, None, f"not decided: {why}")
+        self._on_result(result)
+        self._deliver(record)
+
+    async def _take(self) -> _Waiting:
+        while not self._queue:
+            self._wake.clear()
+            await self._wake.wait()
+        waiting = self._queue.popleft()
+        self._bytes -= waiting.size
+        return waiting
+
+    async def _pace(self) -> None:
+        """A token bucket: RATE_PER_S calls a second, in bursts of at most one second's worth."""
+        rate = self._limits.rate_per_s
+        while True:
+            now = self._clock()
+            self._allowance = min(max(1.0, rate), self._allowance + (now - self._refilled) * rate)
+            self._refilled = now
+            if self._allowance >= 1.0:
+                self._allowance -= 1.0
+                return
+            await asyncio.sleep((1.0 - self._allowance) / rate)
+
+    async def _work(self) -> None:
+        assert self._tokenizer is not None
+        while True:
+            waiting = await self._take()
+            self._busy += 1
+            try:
+                await self._pace()
+                try:
+                    async with asyncio.timeout(self._limits.timeout_s):
+                        if self.probe.enabled:  # a record that came before the first probe answered
+                            await self.probe.asked.wait()
+                        facts = self.facts
+                        count = await self._tokenizer.count(waiting.query, facts, waiting.authorization)
+                except TimeoutError:
+                    raise TokenizerUnavailable(f"no answer within {self._limits.timeout_s:g} s", "timeout") from None
+                Recorder.settle_length(waiting.record, waiting.query, facts.kind, count, None)
+                self._on_result("decided" if waiting.record.length_cause != "unknown" else "undecided")
+            except TokenizerUnavailable as exc:
+                self._note_failure(exc)
+                Recorder.settle_length(waiting.record, waiting.query, self.facts.kind, None,
+                                       f"not decided: the server's tokenizer could not count the prompt: {exc}")
+                self._on_result(exc.result)
+            except asyncio.CancelledError:
+                Recorder.settle_length(waiting.record, waiting.query, self.facts.kind, None,
+                                       "not decided: the proxy stopped before the server's tokenizer answered")
+                self._on_result("skipped")
+                self._deliver(waiting.record)
+                raise
+            finally:
+                self._busy -= 1
+            self._deliver(waiting.record)
+
+    def _note_failure(self, exc: TokenizerUnavailable) -> None:
+        """One log line per kind of failure, not one per record."""
+        key = str(exc).split(":")[0][:80]
+        if key not in self._logged and len(self._logged) < 32:
+            self._logged.add(key)
+            _log.warning("server_tokenizer_unavailable", reason=str(exc)[:200],
+                         note="length stops whose tokens were only counted keep the cause unknown")
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop taking records; give those in flight `timeout_s`, then hand on every one left, undecided."""
+        self._closed = True
+        deadline = self._clock() + timeout_s
+        while (self._queue or self._busy) and self._workers and self._clock() < deadline:
+            await asyncio.sleep(0.02)
+        tasks = [*self._workers, *([self._probing] if self._probing is not None else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers, self._probing = [], None
+        while self._queue:
+            waiting = self._queue.popleft()
+            self._bytes -= waiting.size
+            self._give_up(waiting.record, waiting.query, "the proxy stopped before the server's tokenizer answered",
+                          "skipped")
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def open_server_check(upstream: str, authorization: str | None, deliver: Callable[[ResponseRecord], None], *,
+                      probe: bool = True, tokenizer: bool = True, limits: CheckLimits = CheckLimits(),
+                      on_result: Callable[[str], None] = lambda result: None) -> ServerCheck:
+    """A check of `upstream` with a connection pool of its own (call inside the event loop, then `start`);
+    without `probe` it never asks the server anything, and its facts stay unknown."""
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(limits.timeout_s, READ_TIMEOUT_S)),
+                                    headers={"Authorization": authorization} if authorization else None)
+    facts = ServerFactsProbe(session, upstream, enabled=probe)
+    asker = ServerTokenizer(session, upstream) if tokenizer and probe else None
+    return ServerCheck(facts, asker, deliver, limits, on_result, session=session)

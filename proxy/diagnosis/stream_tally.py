@@ -1,0 +1,133 @@
+"""What one response showed on the wire, accumulated chunk by chunk from its parser's events."""
+
+from __future__ import annotations
+
+from array import array
+
+from proxy.wire.events import Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
+from proxy.wire.parsers import ResponseParser
+
+ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, only mean and max
+
+
+class StreamTally:
+    """Token timing, the final events, and parse failures of one response body.
+
+    `tokens` counts every generated piece the wire showed (visible and reasoning alike, at least
+    one token each); `reasoning` the part of it that was thinking. Inter-token latency is
+    measured between arrivals of chunks that carry tokens, at the proxy: several tokens in one
+    chunk count as tokens, not as zero-length gaps.
+    """
+
+    __slots__ = (
+        "bytes_out", "done", "error", "finish", "first_token_at", "gap_count", "gap_max", "gap_sum", "gaps",
+        "last_token_at", "parse_error", "parse_errors", "parser", "reasoning", "timings", "tokens", "usage",
+    )
+
+    def __init__(self, parser: ResponseParser | None) -> None:
+        self.parser = parser
+        self.bytes_out = 0
+        self.tokens = 0
+        self.reasoning = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.gaps = array("d")
+        self.gap_sum = 0.0
+        self.gap_count = 0
+        self.gap_max = 0.0
+        self.finish: Finish | None = None
+        self.usage: Usage | None = None
+        self.timings: ServerTimings | None = None
+        self.error: ErrorEvent | None = None
+        self.done = False
+        self.parse_errors = 0
+        self.parse_error: str | None = None
+
+    @property
+    def streaming(self) -> bool:
+        """The body is a stream of events (SSE, NDJSON), not one JSON document."""
+        return self.parser is not None and self.parser.streaming
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        """Account for one chunk that was forwarded; never raises."""
+        self.bytes_out += len(chunk)
+        parser = self.parser
+        if parser is None:
+            return
+        try:
+            events = parser.feed(chunk)
+        except Exception as exc:  # a parser bug must not touch the traffic
+            self._parser_failed(exc)
+            return
+        if events:
+            self._apply(events, now)
+
+    def close(self, now: float) -> None:
+        parser = self.parser
+        if parser is None:
+            return
+        try:
+            events = parser.close()
+        except Exception as exc:
+            self._parser_failed(exc)
+            return
+        if events:
+            self._apply(events, now)
+
+    def _parser_failed(self, exc: Exception) -> None:
+        self.parser = None
+        self.parse_errors += 1
+        self.parse_error = f"parser failed: {type(exc).__name__}: {exc}"[:300]
+
+    def _apply(self, events: list[Event], now: float) -> None:
+        tokens_before = self.tokens
+        for event in events:
+            if isinstance(event, TokenDelta):
+                self.tokens += event.count
+                if event.reasoning:
+                    self.reasoning += event.count
+            elif isinstance(event, Finish):
+                if self.finish is None or (event.choice == 0 and self.finish.choice != 0):
+                    self.finish = event
+            elif isinstance(event, Usage):
+                old = self.usage  # a later report fills in, never erases, what an earlier one said
+                self.usage = event if old is None else Usage(
+                    old.prompt_tokens if event.prompt_tokens is None else event.prompt_tokens,
+                    old.completion_tokens if event.completion_tokens is None else event.completion_tokens,
+                    old.reasoning_tokens if event.reasoning_tokens is None else event.reasoning_tokens)
+            elif isinstance(event, Done):
+                self.done = True
+            elif isinstance(event, ErrorEvent):
+                if self.error is None:
+                    self.error = event
+            elif isinstance(event, ServerTimings):
+                self.timings = event
+            elif isinstance(event, ParseError):
+                self.parse_errors += 1
+                if self.parse_error is None:
+                    self.parse_error = event.message
+        if self.tokens != tokens_before:
+            self.tokens_arrived(now)
+
+    def tokens_arrived(self, now: float) -> None:
+        """Note the arrival time of a chunk that carried tokens (TTFT and the inter-token gaps)."""
+        last = self.last_token_at
+        if last is None:
+            self.first_token_at = now
+        else:
+            gap = now - last
+            self.gap_sum += gap
+            self.gap_count += 1
+            if gap > self.gap_max:
+                self.gap_max = gap
+            if len(self.gaps) < ITL_SAMPLES_CAP:
+                self.gaps.append(gap)
+        self.last_token_at = now
+
+    def itl_stats(self) -> tuple[float | None, float | None, float | None]:
+        """(mean, p95, max) of the gaps between token chunks, or Nones with fewer than two."""
+        if not self.gap_count:
+            return None, None, None
+        ordered = sorted(self.gaps)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return self.gap_sum / self.gap_count, p95, self.gap_max

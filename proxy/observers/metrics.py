@@ -1,0 +1,317 @@
+"""Every Prometheus metric the proxy exports, declared in one place.
+
+Names are fixed: dashboards and alerts depend on them. Label values come from bounded sets;
+model names are capped (`max_models`, the rest reported as `other`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord, concurrency_bucket
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
+# The cause label of llm_proxy_truncated_total: what the serving layer cut (outcome "cut").
+TRUNCATION_CAUSES = CUT_CAUSES
+OTHER_MODEL = "other"
+NO_MODEL = "none"
+
+# A `_created` sample per series doubles /metrics for no use here (Prometheus reads resets itself).
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+class _CallbackCounter(Collector):
+    """A counter whose value another object keeps (a `_total` read at scrape time)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
+
+
+class ProxyMetrics:
+    """The proxy's metrics in their own registry, so several proxies can live in one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.max_models = max_models
+        self._models: set[str] = set()
+        self._other_started = False
+        r = self.registry
+        # --- per response -------------------------------------------------------------------
+        # Every ratio (dashboard, rules, alerts) is taken from this one counter, numerator and
+        # denominator alike, so that a series appearing for the first time (a new concurrency
+        # bucket, a new cause, a restart) weighs on both sides at once: no ratio exceeds 1.
+        self.requests = Counter(
+            "llm_proxy_requests", "Responses by how they ended: stop_reason as recorded, cause (the stop "
+            "reason with length stops told by cause and upstream errors by kind), outcome (complete, budget, "
+            "cut, client_gone, client_error, unknown, not_inference), reasoning (mostly: a length stop whose "
+            "budget went mostly to thinking) and the concurrency bucket of the response's peak.",
+            ["route", "model", "stop_reason", "cause", "outcome", "reasoning", "concurrency"], registry=r)
+        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
+                               "concurrency tracker at scrape time).", registry=r)
+        self.output_tokens = Histogram(
+            "llm_proxy_output_tokens", "Output tokens per answer (usage when reported, else counted); the "
+            "exemplar names a recent request.", ["model", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
+        self.requested_max_tokens = Summary(
+            "llm_proxy_requested_max_tokens", "The output budget clients asked for (sum and count: the mean).",
+            ["model"], registry=r)
+        self.ttft = Histogram(
+            "llm_proxy_time_to_first_token_seconds", "Time from request to the first content chunk; the "
+            "exemplar names a recent request.", ["model", "concurrency"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "llm_proxy_inter_token_latency_seconds", "Mean gap between content chunks, per response.",
+            ["model", "concurrency"], buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "llm_proxy_request_duration_seconds", "Time from request to the end of the response, by outcome; "
+            "the exemplar names a recent request.", ["outcome"], buckets=DURATION_BUCKETS, registry=r)
+        self.truncated = Counter(
+            "llm_proxy_truncated", "Answers the serving layer cut (outcome cut), by cause; server_limit is "
+            "exported at 0 from a model's first answer so that its first rise alerts. For counting and "
+            "alerting: ratios come from llm_proxy_requests_total.", ["model", "cause"], registry=r)
+        self.prompt_truncated = Counter(
+            "llm_proxy_prompt_truncated", "Answers whose prompt the server cut on the way in (Ollama dropping "
+            "earlier messages past its context, llama.cpp's context shift), as the server's own numbers show; "
+            "the answer itself may look complete.", ["model"], registry=r)
+        self.server_tokenizer_requests = Counter(
+            "llm_proxy_server_tokenizer_requests", "Length stops the wire left open (tokens only counted), by what "
+            "the upstream's own tokenizer made of them: decided, undecided (counted, but too close to call), "
+            "unavailable (no tokenizer the proxy knows), failed, timeout, dropped (queue full), skipped "
+            "(--server-tokenizer off, or stopping).", ["result"], registry=r)
+        self.client_disconnects = Counter(
+            "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
+            ["phase"], registry=r)
+        self.deadline_hits = Counter(
+            "llm_proxy_deadline_hits", "Responses that passed the total deadline or the idle timeout.",
+            ["kind", "mode"], registry=r)
+        self.upstream_errors = Counter(
+            "llm_proxy_upstream_errors", "Upstream failures by kind.", ["kind"], registry=r)
+        self.upstream_retries = Counter(
+            "llm_proxy_upstream_retries", "Idempotent requests (GET, HEAD, ...) sent again on a fresh "
+            "connection because a pooled one broke under them; a POST is never sent twice.", registry=r)
+        self.parse_errors = Counter(
+            "llm_proxy_parse_errors", "Responses whose bytes the parser could not fully read.",
+            ["dialect"], registry=r)
+        self.observer_errors = Counter(
+            "llm_proxy_observer_errors", "Observer failures (the traffic was not affected).", registry=r)
+        self.invalid_requests = Counter(
+            "llm_proxy_invalid_requests", "Requests refused with a 400 before any handler ran, because they "
+            "are not valid HTTP (a header line over 8190 bytes, a control byte in a value), by reason.",
+            ["reason"], registry=r)
+        self.workers = Gauge(
+            "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
+        self.workers.set(1)
+        self.history_up = Gauge(
+            "llm_proxy_history_up", "1 while records are written to the history database (--history), "
+            "0 when it is off or cannot be written (full or read-only disk).", registry=r)
+        self.history_dropped = Counter(
+            "llm_proxy_history_dropped", "Records not written to the history (its writer fell behind or the "
+            "database could not be written); they stay in the in-memory ring.", registry=r)
+        self.trace_spans_dropped = Counter(
+            "llm_proxy_trace_spans_dropped", "OpenTelemetry spans not exported (--otel): the queue was full or the "
+            "OTLP endpoint failed; the traffic was not affected.", registry=r)
+        self.records_lost = Counter(
+            "llm_proxy_records_lost", "Records a worker process could not hand to the process that exports "
+            "them (its channel was full or broken); their exchanges were relayed all the same.", registry=r)
+        self.parse_budget_used = Gauge(
+            "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
+            "process-wide (--parse-budget bounds it).", registry=r)
+        self._parse_budget_refusals: Callable[[], float] = lambda: 0.0
+        r.register(_CallbackCounter("llm_proxy_parse_budget_refusals", "Bodies passed through unread because "
+                                    "the process-wide parse budget was spent.", lambda: self._parse_budget_refusals()))
+        # --- GPU telemetry (NVML) ------------------------------------------------------------
+        gpu_labels = ["gpu", "uuid", "name"]
+        self.gpu_memory_used = Gauge(
+            "llm_proxy_gpu_memory_used_bytes", "GPU memory in use.", gpu_labels, registry=r)
+        self.gpu_memory_free = Gauge(
+            "llm_proxy_gpu_memory_free_bytes", "GPU memory free.", gpu_labels, registry=r)
+        self.gpu_memory_total = Gauge(
+            "llm_proxy_gpu_memory_total_bytes", "GPU memory in all.", gpu_labels, registry=r)
+        self.gpu_utilization = Gauge(
+            "llm_proxy_gpu_utilization_ratio", "GPU utilization (0-1) over NVML's last sample period.",
+            gpu_labels, registry=r)
+        self.gpu_process_memory = Gauge(
+            "llm_proxy_gpu_process_memory_bytes", "GPU memory used by each process.",
+            ["gpu", "pid", "process"], registry=r)
+        self.gpu_telemetry_up = Gauge(
+            "llm_proxy_gpu_telemetry_up", "1 while NVML telemetry works, else 0.", registry=r)
+        # --- the upstream server's own state -----------------------------------------------
+        # Exported only while known: a figure the upstream does not report is absent, never NaN.
+        self.upstream_state = UpstreamStateCollector()
+        r.register(self.upstream_state)
+        self.upstream_model_vram = Gauge(
+            "llm_proxy_upstream_model_vram_bytes", "VRAM held by each loaded model (Ollama /api/ps).",
+            ["model"], registry=r)
+        self.upstream_telemetry_up = Gauge(
+            "llm_proxy_upstream_telemetry_up", "1 while the upstream's state can be read, else 0.",
+            ["source"], registry=r)
+        self._children: dict[tuple[Any, ...], Any] = {}
+        # Bounded label sets are exported at 0 from the start: a series first scraped at 1 has no
+        # increase that rate()/increase() can see, so the first event of a kind would go unalerted.
+        for phase in ("before_first_token", "mid_stream"):
+            self.client_disconnects.labels(phase)
+        for kind in ("total", "idle"):
+            for mode in ("observe", "enforce"):
+                self.deadline_hits.labels(kind, mode)
+        for error_kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(error_kind)
+
+    def read_state(self, *, in_flight: Callable[[], float], parse_budget_used: Callable[[], float],
+                   parse_budget_refusals: Callable[[], float]) -> None:
+        """Figures the process already knows, read at scrape time rather than counted twice."""
+        self.in_flight.set_function(in_flight)
+        self.parse_budget_used.set_function(parse_budget_used)
+        self._parse_budget_refusals = parse_budget_refusals
+
+    def count_tokenizer(self, result: str) -> None:
+        """One length stop through the server's tokenizer (`proxy.diagnosis.server_check`: a bounded set of results)."""
+        self._child(self.server_tokenizer_requests, result).inc()
+
+    def count_refused(self, reason: str) -> None:
+        """A request the HTTP parser refused (`proxy.relay.listeners.refusal_reason`: a bounded set)."""
+        self.invalid_requests.labels(reason).inc()
+
+    def model_label(self, model: str | None) -> str:
+        """A bounded model label: the first `max_models` distinct names, then `other`."""
+        if not model:
+            return NO_MODEL
+        if model in self._models:
+            return model
+        if len(self._models) >= self.max_models:
+            if not self._other_started:
+                self._other_started = True
+                self._start_truncation_series(OTHER_MODEL)
+            return OTHER_MODEL
+        self._models.add(model)
+        self._start_truncation_series(model)
+        return model
+
+    def _start_truncation_series(self, model: str) -> None:
+        """A model's server_limit and prompt-cut counts at 0 from its first response on: what alerts
+        watch with increase(), which cannot see a series that is born at 1. Nothing else is created
+        before it is used, so /metrics grows with the traffic, not with the label space."""
+        self._child(self.truncated, model, "server_limit")
+        self._child(self.prompt_truncated, model)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*labels)
+            self._children[key] = child
+        return child
+
+
+class MetricsObserver:
+    """Turns each finished record into metric updates."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+
+    def on_response(self, record: ResponseRecord) -> None:
+        m = self.metrics
+        model = m.model_label(record.model)
+        cause = record.cause
+        outcome = record.outcome
+        bucket = concurrency_bucket(record.concurrency_peak)
+        reasoning = "mostly" if record.budget_mostly_reasoning else ""
+        m._child(m.requests, record.route, model, record.stop_reason, cause, outcome, reasoning, bucket).inc()
+        exemplar = {"request_id": record.request_id[:64]}  # OpenMetrics: 128 characters for all labels
+        m._child(m.duration, outcome).observe(record.duration_s, exemplar)
+        if record.upstream_error is not None:
+            m._child(m.upstream_errors, record.upstream_error).inc()
+        if record.upstream_retries:
+            m.upstream_retries.inc(record.upstream_retries)
+        if record.parse_error:
+            m._child(m.parse_errors, record.dialect).inc()
+        if record.observer_errors:
+            m.observer_errors.inc(len(record.observer_errors))
+        if outcome == "not_inference":
+            return
+        if record.output_tokens is not None:
+            m._child(m.output_tokens, model, bucket).observe(record.output_tokens, exemplar)
+        if record.requested_max_tokens is not None:
+            m._child(m.requested_max_tokens, model).observe(record.requested_max_tokens)
+        if record.ttft_s is not None:
+            m._child(m.ttft, model, bucket).observe(record.ttft_s, exemplar)
+        if record.itl_mean_s is not None:
+            m._child(m.itl, model, bucket).observe(record.itl_mean_s)
+        if outcome == "cut":
+            m._child(m.truncated, model, cause).inc()
+        if record.prompt_truncated:
+            m._child(m.prompt_truncated, model).inc()
+        if record.client_disconnected and record.disconnect_phase is not None:
+            m._child(m.client_disconnects, record.disconnect_phase).inc()
+        if record.deadline_hit != "none":
+            m._child(m.deadline_hits, record.deadline_hit, record.deadline_mode or "observe").inc()
+
+
+class UpstreamStateCollector(Collector):
+    """The upstream server's own state, as last read (vLLM /metrics, Ollama /api/ps).
+
+    Each figure is exported only while the upstream reports it: with a vLLM upstream there is no
+    `models_loaded`, with Ollama no KV-cache usage, and nothing at all while it cannot be read.
+    Preemptions are the server's own cumulative counter, exported as a counter (a server restart
+    is a reset, which rate() and increase() handle).
+    """
+
+    def __init__(self) -> None:
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.kv_cache_usage: float | None = None
+        self.preemptions: float | None = None
+        self.models_loaded: float | None = None
+        self.request_preemptions: float | None = None
+        self.requests_finished: float | None = None
+
+    def _values(self) -> tuple[float | None, ...]:
+        return (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded,
+                self.request_preemptions, self.requests_finished)
+
+    def _set(self, values: tuple[float | None, ...]) -> None:
+        (self.running, self.waiting, self.kv_cache_usage, self.preemptions, self.models_loaded,
+         self.request_preemptions, self.requests_finished) = values
+
+    def clear(self) -> None:
+        self._set((None,) * 7)
+
+    def describe(self) -> Iterator[Metric]:
+        """Every family this collector may export, known or not (for the registry and for tests)."""
+        saved = self._values()
+        self._set((0.0,) * 7)
+        try:
+            yield from self.collect()
+        finally:
+            self._set(saved)
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = (("llm_proxy_upstream_requests_running", "Requests the upstream says it is running.", self.running),
+                  ("llm_proxy_upstream_requests_waiting", "Requests the upstream says are waiting.", self.waiting),
+                  ("llm_proxy_upstream_kv_cache_usage_ratio", "The upstream's KV-cache usage (0-1).",
+                   self.kv_cache_usage),
+                  ("llm_proxy_upstream_models_loaded", "Models the upstream has loaded (Ollama /api/ps).",
+                   self.models_loaded))
+        for name, documentation, value in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(name, documentation, value=value)
+        if self.preemptions is not None:
+            yield CounterMetricFamily("llm_proxy_upstream_preemptions", "The upstream's own cumulative count of "
+                                      "preempted requests (vLLM; SGLang's retracted requests), as read.",
+                                      value=self.preemptions)
+        if self.request_preemptions is not None and self.requests_finished is not None:
+            yield CounterMetricFamily("llm_proxy_upstream_finished_request_preemptions", "Preemptions of the "
+                                      "requests the upstream finished, each counted once at its end (vLLM's "
+                                      "per-request histogram, vllm:request_num_preemptions_sum).",
+                                      value=self.request_preemptions)
+            yield CounterMetricFamily("llm_proxy_upstream_finished_requests", "Requests the upstream finished "
+                                      "(vllm:request_num_preemptions_count): the denominator of the mean "
+                                      "preemptions per request.", value=self.requests_finished)

@@ -1,0 +1,110 @@
+"""The record store: the newest records in a bounded ring, findable by request id, read in pages."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from proxy.record import ResponseRecord, concurrency_bucket
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class RecordQuery:
+    """Which records: exact filters (None: any), a time range on `started_at` (unix seconds), and
+    a page: up to `limit`, newest first, older than `cursor` (the `next_cursor` of the page before)."""
+
+    stop_reason: str | None = None
+    model: str | None = None
+    route: str | None = None
+    length_cause: str | None = None
+    cause: str | None = None  # ResponseRecord.cause: the label of the request metrics
+    outcome: str | None = None  # ResponseRecord.outcome: complete, budget, cut, ...
+    concurrency: str | None = None  # the bucket of concurrency_peak: 1, 2, 4, ..., 128+
+    since: float | None = None
+    until: float | None = None
+    cursor: int | None = None
+    limit: int = DEFAULT_PAGE
+
+    def matches(self, record: ResponseRecord) -> bool:
+        return ((self.stop_reason is None or record.stop_reason == self.stop_reason)
+                and (self.model is None or record.model == self.model)
+                and (self.route is None or record.route == self.route)
+                and (self.length_cause is None or record.length_cause == self.length_cause)
+                and (self.cause is None or record.cause == self.cause)
+                and (self.outcome is None or record.outcome == self.outcome)
+                and (self.concurrency is None or concurrency_bucket(record.concurrency_peak) == self.concurrency)
+                and (self.since is None or record.started_at >= self.since)
+                and (self.until is None or record.started_at < self.until))
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    records: list[ResponseRecord]
+    next_cursor: int | None  # None: this was the last page
+
+
+class RecordStore:
+    """Keeps the last `capacity` records (an observer: it stores each finished record).
+
+    Each record gets a sequence number as it is stored; a cursor is one, so pages stay put while
+    new records arrive.
+    """
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._ring: deque[tuple[int, ResponseRecord]] = deque()
+        self._by_id: dict[str, ResponseRecord] = {}
+        self.total = 0  # records ever stored, the evicted ones included
+
+    def on_response(self, record: ResponseRecord) -> None:
+        if len(self._ring) >= self.capacity:
+            _, old = self._ring.popleft()
+            for key in (old.request_id, old.upstream_request_id):
+                if key is not None and self._by_id.get(key) is old:
+                    del self._by_id[key]
+        self.total += 1
+        self._ring.append((self.total, record))
+        self._by_id[record.request_id] = record
+        if record.upstream_request_id is not None:
+            self._by_id.setdefault(record.upstream_request_id, record)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def get(self, request_id: str) -> ResponseRecord | None:
+        """A record by the proxy's request id, or by the upstream's own where it sent another."""
+        return self._by_id.get(request_id)
+
+    def newest_first(self) -> Iterator[ResponseRecord]:
+        return (record for _, record in reversed(self._ring))
+
+    def page(self, query: RecordQuery) -> Page:
+        """The newest matching records older than the query's cursor."""
+        return page_of(self.snapshot(), query)
+
+    def snapshot(self) -> list[tuple[int, ResponseRecord]]:
+        """The ring as it is now (a copy of references: microseconds for 10,000), to read in a thread
+        while records keep arriving."""
+        return list(self._ring)
+
+
+def page_of(ring: Sequence[tuple[int, ResponseRecord]], query: RecordQuery) -> Page:
+    """The newest records of `ring` (sequence numbers ascending) that match, older than the cursor."""
+    found: list[ResponseRecord] = []
+    last_seq: int | None = None
+    end = len(ring)
+    if query.cursor is not None and ring:  # numbers run on by one: the cursor says where to begin
+        end = min(end, max(0, query.cursor - ring[0][0]))
+    for index in range(end - 1, -1, -1):
+        seq, record = ring[index]
+        if not query.matches(record):
+            continue
+        if len(found) == query.limit:
+            return Page(found, last_seq)
+        found.append(record)
+        last_seq = seq
+    return Page(found, None)

@@ -1,0 +1,92 @@
+"""Writes into each finished record what the GPU and the upstream looked like while it ran.
+
+An enricher: it runs before the exporters, so its fields reach the metrics, the log and the
+record store. It only reads the rings (bisect, then the samples of the window): no I/O.
+
+The server's own figures (running, waiting, KV usage, preemptions) describe a request only from
+samples taken inside its life, and only when the server took the request on: a request it
+refused (an HTTP error status, no answer at all) never ran, so it carries none. GPU memory is a
+reading of the machine, and a response shorter than the poll interval may use the sample just
+before it (see proxy.observers.telemetry.samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from proxy.observers.telemetry.gpu import GpuReading, GpuSnapshot, attributed_gpu
+from proxy.observers.telemetry.samples import SampleRing, counter_increase, max_of, min_of
+from proxy.observers.telemetry.server_metrics import UpstreamState
+from proxy.record import ResponseRecord
+
+PREEMPTIONS_SCOPE = "server_wide"
+
+
+def _ran_upstream(record: ResponseRecord) -> bool:
+    """The upstream took the request on: it answered, without an error status, a generation."""
+    return record.status is not None and record.status < 400 and record.stop_reason != "not_inference"
+
+
+def max_age_for(interval_s: float) -> float:
+    """How old the sample before a response may be and still stand for it: two intervals."""
+    return 2.0 * interval_s + 0.25
+
+
+class TelemetryObserver:
+    """Fills `gpu`, `vram_*`, `upstream_*_max`, `kv_cache_usage_max` and `preemptions_*`.
+
+    A field stays None when no sample counts for the response (see proxy.observers.telemetry.samples).
+    """
+
+    def __init__(self, gpu_ring: SampleRing[GpuSnapshot] | None, gpu_interval_s: float,
+                 upstream_ring: SampleRing[UpstreamState] | None, upstream_interval_s: float,
+                 upstream_pids: Callable[[], Collection[int]] = frozenset) -> None:
+        self.gpu_ring = gpu_ring
+        self.gpu_max_age = max_age_for(gpu_interval_s)
+        self.upstream_ring = upstream_ring
+        self.upstream_max_age = max_age_for(upstream_interval_s)
+        self.upstream_pids = upstream_pids
+
+    def on_response(self, record: ResponseRecord) -> None:
+        t0 = record.started_at
+        t1 = t0 + max(record.duration_s, 0.0)
+        if self.gpu_ring is not None:
+            self._fill_gpu(record, t0, t1)
+        if self.upstream_ring is not None and _ran_upstream(record):
+            self._fill_upstream(record, t0, t1)
+
+    def _fill_gpu(self, record: ResponseRecord, t0: float, t1: float) -> None:
+        assert self.gpu_ring is not None
+        window = self.gpu_ring.window(t0, t1, self.gpu_max_age)
+        if not window:
+            return
+        chosen = attributed_gpu(window[-1][1].gpus, self.upstream_pids())
+        if chosen is None:
+            return
+        readings: list[GpuReading] = [g for _, snap in window for g in snap.gpus if g.uuid == chosen.uuid]
+        record.gpu = str(chosen.index)
+        free = min_of(g.free_bytes for g in readings)
+        used = max_of(g.used_bytes for g in readings)
+        record.vram_free_min_bytes = None if free is None else int(free)
+        record.vram_used_max_bytes = None if used is None else int(used)
+
+    def _fill_upstream(self, record: ResponseRecord, t0: float, t1: float) -> None:
+        ring = self.upstream_ring
+        assert ring is not None
+        window = [state for _, state in ring.window(t0, t1, max_age=0.0)]  # inside its life only
+        if window:
+            record.upstream_running_max = max_of(s.running for s in window)
+            record.upstream_waiting_max = max_of(s.waiting for s in window)
+            record.kv_cache_usage_max = max_of(s.kv_cache_usage for s in window)
+        # Preemptions: from the last sample at/before the start to the last one at/before
+        # the end; only when the end sample was taken after the start, so something was seen.
+        first = ring.index_at_or_before(t0)
+        last = ring.index_at_or_before(t1)
+        if first is None or last is None or last <= first:
+            return
+        if t0 - ring.stamp(first) > self.upstream_max_age:
+            return
+        increase = counter_increase(s.preemptions_total for _, s in ring.span(first, last))
+        if increase is not None:
+            record.preemptions_during = increase
+            record.preemptions_scope = PREEMPTIONS_SCOPE

@@ -1,0 +1,428 @@
+"""The upstream server's own view of its load: vLLM-style `/metrics` or Ollama's `/api/ps`.
+
+Parsing is pure (text or JSON in, `UpstreamState` out); the poller does the HTTP, keeps
+the states in a ring and re-exports them through the `llm_proxy_upstream_*` gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.telemetry.samples import SampleRing
+from proxy.wire.server_facts import is_llamacpp_router, router_loaded_models
+
+_log = structlog.get_logger("llm_diag_proxy.telemetry")
+
+Kind = Literal["metrics", "ollama"]
+MAX_BODY_BYTES = 16 * 1024 * 1024
+ROUTER_MODELS_MAX = 8  # models of a llama.cpp router whose /metrics are read each poll
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Where one server family keeps the figures we read; the first name present wins."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_cache_usage: tuple[str, ...]
+    preemptions: tuple[str, ...]
+    request_preemptions: tuple[str, ...] = ()  # a per-request histogram's sum: preemptions of finished requests
+    requests_finished: tuple[str, ...] = ()  # and its count: the requests finished
+
+
+# vLLM: v0 engine in vllm/engine/metrics.py, V1 in vllm/v1/metrics/loggers.py. V1 renamed
+# gpu_cache_usage_perc to kv_cache_usage_perc (0.9, old name deprecated); the preemption
+# Counter is `vllm:num_preemptions_total` (v0) / `vllm:num_preemptions` (V1), and
+# prometheus_client exposes both as the sample `vllm:num_preemptions_total`.
+# vLLM V1 also keeps `vllm:request_num_preemptions`, a histogram observed once per finished request
+# with its own preemption count (vllm/v1/metrics/loggers.py): its sum and count are read.
+# SGLang: python/sglang/srt/observability/metrics_collector.py (formerly srt/metrics/collector.py);
+# it retracts (preempts) requests under memory pressure and counts them in
+# `sglang:num_retracted_requests_total`. llama.cpp: tools/server (`--metrics`); recent builds
+# dropped `kv_cache_usage_ratio`, so it may be absent.
+SERVER_FAMILIES: dict[str, MetricNames] = {
+    "vllm": MetricNames(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        preemptions=("vllm:num_preemptions_total", "vllm:num_preemptions"),
+        request_preemptions=("vllm:request_num_preemptions_sum",),
+        requests_finished=("vllm:request_num_preemptions_count",),
+    ),
+    "sglang": MetricNames(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_cache_usage=("sglang:token_usage",),
+        preemptions=("sglang:num_retracted_requests_total",),
+    ),
+    "llamacpp": MetricNames(
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        kv_cache_usage=("llamacpp:kv_cache_usage_ratio",),
+        preemptions=(),
+    ),
+}
+_WANTED = frozenset(name for names in SERVER_FAMILIES.values()
+                    for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions,
+                                  names.request_preemptions, names.requests_finished)
+                    for name in group)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """One model Ollama holds in memory (`/api/ps`)."""
+
+    name: str
+    size_bytes: int
+    vram_bytes: int
+    context_length: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamState:
+    """What the upstream said about itself at one moment; None where it does not say.
+
+    Across label sets (model_name, engine, ranks) counts are summed and the KV-cache
+    usage is the maximum, since an engine that is full is what queues requests.
+    """
+
+    source: str  # vllm | sglang | llamacpp | ollama
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    preemptions_total: float | None = None
+    request_preemptions_total: float | None = None  # preemptions counted by the requests that finished
+    requests_finished_total: float | None = None
+    models: tuple[LoadedModel, ...] = ()
+
+
+def _sample_lines(text: str) -> str:
+    """Only the sample lines of the metrics we read: vLLM's page is mostly histogram buckets."""
+    kept = []
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = len(line)
+        for stop in ("{", " "):
+            found = line.find(stop)
+            if found != -1:
+                end = min(end, found)
+        if line[:end] in _WANTED:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def parse_prometheus_state(text: str) -> UpstreamState | None:
+    """The state in a vLLM / SGLang / llama.cpp `/metrics` page; None if none of it is there.
+
+    Raises ValueError on a line the Prometheus text parser rejects.
+    """
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(_sample_lines(text)):
+        for sample in family.samples:
+            if sample.name in _WANTED and not math.isnan(sample.value):
+                values.setdefault(sample.name, []).append(float(sample.value))
+    for source, names in SERVER_FAMILIES.items():
+        if not any(name in values for group in (names.running, names.waiting, names.kv_cache_usage,
+                                                names.preemptions) for name in group):
+            continue
+
+        def first(group: tuple[str, ...], combine: Callable[[list[float]], float]) -> float | None:
+            for name in group:
+                if name in values:
+                    return combine(values[name])
+            return None
+
+        return UpstreamState(
+            source=source,
+            running=first(names.running, sum),
+            waiting=first(names.waiting, sum),
+            kv_cache_usage=first(names.kv_cache_usage, max),
+            preemptions_total=first(names.preemptions, sum),
+            request_preemptions_total=first(names.request_preemptions, sum),
+            requests_finished_total=first(names.requests_finished, sum),
+        )
+    return None
+
+
+def combined(states: list[UpstreamState], source: str) -> UpstreamState:
+    """Several instances' states as one server's (a llama.cpp router's models): counts summed, the
+    KV-cache usage the highest, a figure none reports left unknown."""
+    def total(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    usages = [s.kv_cache_usage for s in states if s.kv_cache_usage is not None]
+    return UpstreamState(source=source, running=total([s.running for s in states]) if states else 0.0,
+                         waiting=total([s.waiting for s in states]) if states else 0.0,
+                         kv_cache_usage=max(usages) if usages else None,
+                         preemptions_total=total([s.preemptions_total for s in states]))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_ollama_ps(body: bytes) -> UpstreamState:
+    """The models in an Ollama `GET /api/ps` body (api/types.go, ProcessResponse).
+
+    `context_length` exists only in newer Ollama versions and is None where missing.
+    Raises ValueError when the body is not that shape.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+        raise ValueError("no 'models' list")
+    models = []
+    for item in data["models"]:
+        if not isinstance(item, dict):
+            raise ValueError("a 'models' entry is not an object")
+        name = item.get("name") or item.get("model")
+        size, vram = _int(item.get("size")), _int(item.get("size_vram"))
+        if not isinstance(name, str) or size is None or vram is None:
+            raise ValueError("a 'models' entry lacks name, size or size_vram")
+        models.append(LoadedModel(name, size, vram, _int(item.get("context_length"))))
+    return UpstreamState(source="ollama", models=tuple(models))
+
+
+class UpstreamSeries:
+    """Re-exports the newest state; a figure the upstream does not report is absent, not 0 or NaN."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.m = metrics
+        self._models: set[str] = set()
+        self._up_source: str | None = None
+
+    def unknown(self) -> None:
+        self.m.upstream_state.clear()
+        self._set_models(())
+
+    def update(self, state: UpstreamState) -> None:
+        exported = self.m.upstream_state
+        exported.running, exported.waiting = state.running, state.waiting
+        exported.kv_cache_usage, exported.preemptions = state.kv_cache_usage, state.preemptions_total
+        exported.request_preemptions = state.request_preemptions_total
+        exported.requests_finished = state.requests_finished_total
+        if state.source == "ollama":
+            exported.models_loaded = len(state.models)
+            self._set_models(state.models)
+        else:
+            exported.models_loaded = None
+            self._set_models(())
+
+    def _set_models(self, models: tuple[LoadedModel, ...]) -> None:
+        largest = sorted(models, key=lambda x: -x.vram_bytes)[: self.m.max_models]
+        names = set()
+        for model in largest:
+            names.add(model.name)
+            self.m.upstream_model_vram.labels(model.name).set(model.vram_bytes)
+        for gone in self._models - names:
+            with contextlib.suppress(KeyError):
+                self.m.upstream_model_vram.remove(gone)
+        self._models = names
+
+    def up(self, source: str, value: int) -> None:
+        """Set `upstream_telemetry_up{source}`, keeping only the current source's series."""
+        if self._up_source is not None and self._up_source != source:
+            with contextlib.suppress(KeyError):
+                self.m.upstream_telemetry_up.remove(self._up_source)
+        self._up_source = source
+        self.m.upstream_telemetry_up.labels(source).set(value)
+
+
+class UpstreamFetchError(Exception):
+    """A poll that got no usable answer; `kind` is short and bounded, for log-once."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+# Failures where the server answered, but not with what we read: another server may now hold the port.
+_MISMATCH_KINDS = frozenset({"parse", "unrecognized", "http_404", "too_large"})
+
+
+class UpstreamPoller:
+    """Polls the upstream's own state every `interval_s` into `ring`.
+
+    `mode` auto detects once (vLLM-style `/metrics`, else Ollama `/api/ps`, else nothing,
+    said in one log line) and re-detects every `redetect_s` while nothing was ever found.
+    A failed poll is retried at the same interval, so telemetry is back within one interval
+    of a restarted server answering again. The kind found is kept through connection
+    failures (a restart is the same server); only `redetect_after` answers in a row that are
+    not what that kind serves make auto mode detect again. Failures are logged once per kind.
+    """
+
+    def __init__(self, upstream: str, mode: Literal["auto", "vllm", "ollama"], interval_s: float,
+                 metrics: ProxyMetrics, ring: SampleRing[UpstreamState], session: aiohttp.ClientSession,
+                 redetect_s: float = 30.0, redetect_after: int = 10,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.mode = mode
+        self.interval_s = interval_s
+        self.redetect_s = redetect_s
+        self.redetect_after = redetect_after
+        self.ring = ring
+        self.session = session
+        self.clock = clock
+        self.series = UpstreamSeries(metrics)
+        self.kind: Kind | None = "metrics" if mode == "vllm" else "ollama" if mode == "ollama" else None
+        self.router: bool | None = None  # llama.cpp's router: /metrics per loaded model (None: not known)
+        self._logged: set[str] = set()
+        self._failures = 0
+        self._mismatches = 0  # failed polls in a row where the server answered something else
+        self._up = False
+        self._ever_read = False
+
+    async def _get(self, path: str) -> bytes:
+        url = self.upstream + path
+        try:
+            async with self.session.get(url, allow_redirects=False) as resp:
+                body = await resp.content.read(MAX_BODY_BYTES + 1)
+                if resp.status != 200:
+                    raise UpstreamFetchError(f"http_{resp.status}", f"GET {path} answered {resp.status}")
+                if len(body) > MAX_BODY_BYTES:
+                    raise UpstreamFetchError("too_large", f"GET {path} body over {MAX_BODY_BYTES} bytes")
+                return body
+        except TimeoutError:
+            raise UpstreamFetchError("timeout", f"GET {path} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamFetchError("connect", f"GET {path}: {type(exc).__name__}: {exc}"[:300]) from None
+
+    async def _metrics(self, path: str) -> UpstreamState:
+        body = await self._get(path)
+        try:
+            state = parse_prometheus_state(body.decode("utf-8", errors="replace"))
+        except (ValueError, IndexError, KeyError) as exc:  # the text parser's ways of refusing
+            raise UpstreamFetchError("parse", f"/metrics: {exc}"[:300]) from None
+        if state is None:
+            raise UpstreamFetchError("unrecognized", "/metrics has no vllm:, sglang: or llamacpp: "
+                                                     "request/KV-cache metrics")
+        return state
+
+    async def _is_router(self) -> bool:
+        """Whether the upstream is llama-server in router mode (`/props` says `role: router`)."""
+        try:
+            props = orjson.loads(await self._get("/props"))
+        except (UpstreamFetchError, orjson.JSONDecodeError):
+            return False
+        return is_llamacpp_router(props)
+
+    async def _router_state(self) -> UpstreamState:
+        """A llama.cpp router's state: each loaded model's own `/metrics?model=` (`autoload=false`, so
+        that a read never loads a model), added up."""
+        try:
+            listing = orjson.loads(await self._get("/v1/models"))
+        except orjson.JSONDecodeError:
+            raise UpstreamFetchError("parse", "/v1/models of the llama.cpp router is not JSON") from None
+        states = [await self._metrics(f"/metrics?model={quote(name, safe='')}&autoload=false")
+                  for name in router_loaded_models(listing)[:ROUTER_MODELS_MAX]]
+        return combined(states, "llamacpp")
+
+    async def fetch(self, kind: Kind) -> UpstreamState:
+        """One read of the upstream's state; raises UpstreamFetchError."""
+        if kind == "metrics":
+            if self.router:
+                return await self._router_state()
+            try:
+                return await self._metrics("/metrics")
+            except UpstreamFetchError as exc:
+                # A llama.cpp router answers a bare /metrics 400 ("model name is missing").
+                if exc.kind != "http_400" or self.router is False or not await self._is_router():
+                    self.router = False if exc.kind == "http_400" else self.router
+                    raise
+            self.router = True
+            return await self._router_state()
+        body = await self._get("/api/ps")
+        try:
+            return parse_ollama_ps(body)
+        except ValueError as exc:
+            raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
+
+    async def detect(self) -> Kind | None:
+        """Which of the two the upstream serves: /metrics first (vLLM names), then /api/ps."""
+        reasons = []
+        kinds: tuple[Kind, ...] = ("metrics", "ollama")
+        for kind in kinds:
+            try:
+                state = await self.fetch(kind)
+            except UpstreamFetchError as exc:
+                reasons.append(str(exc))
+                continue
+            self.kind = kind
+            _log.info("upstream_telemetry_detected", source=state.source, upstream=self.upstream)
+            self._store(state)
+            return kind
+        self.series.up("auto", 0)
+        if "detect" not in self._logged:
+            self._logged.add("detect")
+            _log.warning("upstream_telemetry_unavailable", upstream=self.upstream, reason="; ".join(reasons),
+                         note=f"neither vLLM-style /metrics nor Ollama /api/ps answered; "
+                              f"trying again every {self.redetect_s:g} s")
+        return None
+
+    def _store(self, state: UpstreamState) -> None:
+        self.ring.append(self.clock(), state)
+        self.series.update(state)
+        self.series.up(state.source, 1)
+        if not self._up and self._failures:
+            _log.info("upstream_telemetry_recovered", source=state.source, after_failed_polls=self._failures)
+        self._up = True
+        self._ever_read = True
+        self._failures = 0
+        self._mismatches = 0
+
+    async def poll_once(self) -> bool:
+        """One poll of the known kind; True on success."""
+        assert self.kind is not None
+        try:
+            state = await self.fetch(self.kind)
+        except UpstreamFetchError as exc:
+            self._failures += 1
+            self._mismatches = self._mismatches + 1 if exc.kind in _MISMATCH_KINDS else 0
+            self._up = False
+            self.series.unknown()
+            self.series.up("ollama" if self.kind == "ollama" else self._metrics_source(), 0)
+            if exc.kind not in self._logged:
+                self._logged.add(exc.kind)
+                _log.warning("upstream_telemetry_error", upstream=self.upstream, error=exc.kind,
+                             detail=str(exc))
+            if self.mode == "auto" and self._mismatches >= self.redetect_after:
+                self.kind = None
+                self.router = None
+            return False
+        self._store(state)
+        return True
+
+    def _metrics_source(self) -> str:
+        latest = self.ring.latest()
+        if latest is not None and latest[1].source != "ollama":
+            return latest[1].source
+        return "vllm"
+
+    async def run(self) -> None:
+        self.series.unknown()
+        while True:
+            if self.kind is not None:
+                await self.poll_once()
+            elif await self.detect() is None:
+                # Nothing was ever found: look again now and then. Something was, and another
+                # server answers now: look again at the poll interval.
+                await asyncio.sleep(self.interval_s if self._ever_read else self.redetect_s)
+                continue
+            await asyncio.sleep(self.interval_s)

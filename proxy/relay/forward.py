@@ -1,0 +1,471 @@
+"""The forwarding path: every request to the upstream and every byte back, unchanged and at once.
+
+It moves bytes and nothing else. Each exchange has a Recorder that is fed a copy of what passes
+(the request body, the response head, each chunk after it was written to the client, and how
+the exchange ended); the finished record goes to the observers. Where the diagnosis fails, the
+traffic does not: the record says `parse_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+from aiohttp.http import HttpVersion10, StreamWriter
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.config import ProxyConfig
+from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.diagnosis.server_check import ServerCheck
+from proxy.observers.chain import ObserverChain
+from proxy.relay.deadlines import Deadlines
+from proxy.relay.http1 import Refusal, only_chunked, request_refusal, trailer_section
+from proxy.relay.in_flight import InFlightTracker
+from proxy.relay.request_body import Outgoing, RequestBody
+from proxy.relay.upstream.pool import InvalidResponse, SendCount, UpstreamPool, UpstreamResponse, UpstreamUnreachable
+from proxy.wire.byte_budget import ByteBudget
+from proxy.wire.server_facts import UNKNOWN_SERVER
+
+_log = structlog.get_logger("llm_diag_proxy")
+REQUEST_ID = "X-Request-Id"
+CONCURRENCY = "X-LLM-Diag-Concurrency"
+# RFC 9110 section 7.6.1 hop-by-hop fields, plus the ones aiohttp computes itself. `Trailer` (which
+# fields a trailer section holds) is end to end: it goes with the trailers the proxy passes on.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailers", "transfer-encoding", "upgrade",
+})
+# `Expect: 100-continue` is answered by the proxy itself (it reads the body before it connects): sent
+# on, the upstream would wait for a body the proxy has already sent, or the client for a second 100.
+_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
+
+_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
+_REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
+_STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
+_BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class _FreshIds:
+    """Request ids as long as a uuid4's hex, unique without a syscall each: 80 random bits per
+    process (drawn again in a forked child), then a counter."""
+
+    def __init__(self) -> None:
+        self._draw()
+        os.register_at_fork(after_in_child=self._draw)
+
+    def _draw(self) -> None:
+        self._prefix = os.urandom(10).hex()
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):012x}"
+
+
+_fresh_ids = _FreshIds()
+
+
+def new_request_id(supplied: str | None) -> str:
+    """The client's own request id when it is a sane token, else a fresh one."""
+    if supplied and _REQUEST_ID_OK.fullmatch(supplied):
+        return supplied
+    return _fresh_ids.next()
+
+
+def _filtered(headers: CIMultiDictProxy[str], skip: frozenset[str]) -> CIMultiDict[str]:
+    """`headers` less the `skip` fields and those the `Connection` field names (RFC 9110 7.6.1).
+    Copied whole, then pruned: most messages carry none of them."""
+    out = headers.copy()
+    connection = headers.get("Connection")
+    if connection is not None:
+        for token in connection.split(","):
+            out.popall(token.strip(), None)
+    for name in skip:
+        if name in out:
+            del out[name]
+    return out
+
+
+def error_body(kind: str, message: str, **extra: Any) -> bytes:
+    """The JSON error body the proxy itself answers with (OpenAI-style `error` object)."""
+    return orjson.dumps({"error": {"type": kind, "message": message, "source": "llm-diag-proxy", **extra}})
+
+
+def enforcement_event(media: str, kind: str, message: str) -> bytes:
+    """A final event that makes an enforced cut visible: never a clean `[DONE]`."""
+    payload = orjson.dumps({"error": {"type": kind, "message": message, "source": "llm-diag-proxy"}})
+    if media == "text/event-stream":
+        return b"data: " + payload + b"\n\n"
+    return payload + b"\n"
+
+
+def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[None]) -> None:
+    """The upstream connection is gone: a body it left neither ended nor failed fails now.
+
+    aiohttp's C parser drops a framing error mid-body (an invalid chunk size) on the floor: the
+    connection closes, but the body reader would wait for ever and the record never be made.
+    """
+    if content.is_eof() or content.exception() is not None:
+        return
+    content.set_exception(aiohttp.ClientPayloadError(
+        "the upstream connection closed without ending the body (invalid framing)"))
+
+
+class RelayedResponse(web.StreamResponse):
+    """The upstream's response head as aiohttp sends it, less what aiohttp adds to a head the
+    upstream sent without it: `Content-Type` (a guess), `Date` (the upstream's clock or none) and
+    `Server` (it names aiohttp's version): a proxy passes on what the server said."""
+
+    added: frozenset[str] = frozenset()  # the fields aiohttp adds that the upstream did not send
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        for name in self.added:
+            self.headers.popall(name, None)
+
+
+class OwnResponse(web.Response):
+    """The proxy's own answer (when the upstream gave none): with a `Date`, as an origin's answer
+    has, and no `Server` (aiohttp's would name its version)."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Server", None)
+
+
+_ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
+
+
+class Forwarder:
+    """The aiohttp handler of the proxy port."""
+
+    def __init__(self, config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+                 budget: ByteBudget, check: ServerCheck | None = None,
+                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
+        self.config = config
+        self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
+        self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
+        self.observers = observers
+        self.check = check  # what only the server can still say, asked after each response
+        self.concurrency = concurrency
+        self.budget = budget
+        self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, budget)
+        self.active: set[Deadlines] = set()  # one per exchange in progress: what shutdown() ends
+        self.shutting_down = False
+
+    async def close(self) -> None:
+        """Close the pooled connections to the upstream."""
+        await self.pool.close()
+
+    def refuse_new(self) -> None:
+        """From now on, answer every new request 503 `proxy_shutdown` (the proxy is stopping)."""
+        self.shutting_down = True
+
+    def end_active(self) -> None:
+        """End every exchange still open, visibly: a final error event, or a 503 before any head."""
+        for deadlines in list(self.active):
+            deadlines.shutdown()
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        refusal = request_refusal(request.method, request.version, request.raw_path,
+                                  request.headers.get("Transfer-Encoding"))
+        if refusal is not None:
+            return self._refuse(request, refusal)
+        started = time.monotonic()
+        recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
+                                  request.path, limits=self.limits, started=started)
+        recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
+        tracker = self.concurrency
+        slot = tracker.admit() if recorder.inference else None
+        at_start = slot.at_start if slot is not None else tracker.in_flight
+        recorder.record.concurrency_at_start = at_start
+        config = self.config
+        deadlines = Deadlines(started, config.deadline_s, config.idle_timeout_s, config.deadline_mode == "enforce")
+        if config.deadline_s or config.idle_timeout_s:
+            recorder.record.deadline_mode = config.deadline_mode
+        if self.shutting_down:
+            deadlines.shutdown()
+        exchange = _Exchange(self, request, recorder, deadlines)
+        self.active.add(deadlines)
+        try:
+            return await exchange.forward()
+        finally:
+            self.active.discard(deadlines)
+            peak, mean = tracker.release(slot) if slot is not None else (at_start, float(at_start))
+            recorder.concurrency(at_start, peak, mean)
+            exchange.body.release()
+            exchange.finish()
+
+
+    def _refuse(self, request: web.BaseRequest, refusal: Refusal) -> web.StreamResponse:
+        """A request the relay does not forward: a JSON error, counted, one log line, the connection
+        closed (what follows on it cannot be framed). A request line without a version is answered
+        as HTTP/1.1: aiohttp would answer in the request's own version, `HTTP/0.9 400`."""
+        self.on_refused(refusal.reason)
+        _log.warning("refused_request", reason=refusal.reason, method=request.method[:16], status=refusal.status)
+        response = OwnResponse(status=refusal.status, body=error_body(refusal.kind, refusal.message),
+                               content_type="application/json",
+                               headers={"Allow": "GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH"}
+                               if refusal.status == 405 else None)
+        response.force_close()
+        transport = request.transport
+        if request.version < HttpVersion10 and transport is not None:
+            # Written here, whole; aiohttp's own write of `response` then meets a closed connection,
+            # which it takes quietly (a client gone).
+            body = error_body(refusal.kind, refusal.message)
+            transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                            b"Connection: close\r\n\r\n%s" % (refusal.status, response.reason.encode(), len(body),
+                                                                 body))
+            transport.close()
+        return response
+
+
+class _Exchange:
+    """One request/response pair going through the proxy."""
+
+    def __init__(self, forwarder: Forwarder, request: web.BaseRequest, recorder: Recorder,
+                 deadlines: Deadlines) -> None:
+        self.pool = forwarder.pool
+        self.observers = forwarder.observers
+        self.check = forwarder.check
+        self.base = forwarder.config.upstream
+        self.authorization = forwarder.config.upstream_authorization
+        self.body_cap = forwarder.config.request_body_cap_bytes
+        self.body = RequestBody(request, forwarder.budget)
+        self.request = request
+        self.recorder = recorder
+        self.deadlines = deadlines
+        self.max_gap = 0.0
+        self.notified_start = False
+        self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
+
+    # --- the exchange -------------------------------------------------------------------------
+    async def forward(self) -> web.StreamResponse:
+        recorder = self.recorder
+        body = self.body
+        self._notify_start()
+        try:
+            await body.read(self.body_cap)
+        except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+            recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
+            raise
+        recorder.request_body(body.held, body.note)
+        headers = _filtered(self.request.headers, _REQUEST_SKIP)
+        # The proxy's request id goes upstream, so both sides name the request alike; the client's
+        # own Authorization wins over credentials given in the upstream URL.
+        headers[REQUEST_ID] = recorder.record.request_id
+        if self.authorization is not None and "Authorization" not in headers:
+            headers["Authorization"] = self.authorization
+        try:
+            async with self.deadlines.guard():
+                upstream = await self._send(headers, body.outgoing(headers))
+        except TimeoutError:
+            fired = self.deadlines.fired
+            if fired == "shutdown":
+                recorder.proxy_shutdown(status=503)
+                return self._answer(503, "proxy_shutdown", self.deadlines.message())
+            if fired is not None:
+                recorder.deadline_enforced(fired, status=504)
+                return self._answer(504, "deadline_exceeded", self.deadlines.message())
+            detail = f"timed out connecting to {self.base}"
+            recorder.no_answer("timeout", detail, 504)
+            return self._answer(504, "upstream_timeout", detail)
+        except UpstreamUnreachable as exc:
+            detail = f"cannot connect to {self.base}: {exc.os_error}"[:300]
+            recorder.no_answer("connect", detail, 502)
+            return self._answer(502, "upstream_unavailable", detail)
+        except InvalidResponse as exc:  # the parser refused the response head
+            message = " ".join(str(exc.message).split())  # llhttp messages span lines
+            detail = f"upstream answered with a response that is not valid HTTP: {message}"[:300]
+            recorder.no_answer("reset", detail, 502)
+            return self._answer(502, "upstream_invalid_response", detail)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            detail = f"upstream closed the connection before answering: {exc}"[:300]
+            recorder.no_answer("reset", detail, 502)
+            return self._answer(502, "upstream_reset", detail)
+        try:
+            return await self._relay(upstream)
+        finally:
+            upstream.close()
+
+    async def _send(self, headers: CIMultiDict[str], body: Outgoing) -> UpstreamResponse:
+        """Send the request once; the record counts a send again.
+
+        A pooled connection the server closed while idle is never written on (see
+        `upstream_client.UpstreamPool`). One that dies under a request anyway may have carried it
+        to the server: an idempotent request with a held body goes once more on another
+        connection, and a POST never, so a server never generates twice.
+        """
+        count = SendCount()
+        try:
+            return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count)
+        finally:
+            self.recorder.record.upstream_retries = count.retries
+
+    def _answer(self, status: int, kind: str, message: str) -> web.Response:
+        """The proxy's own JSON answer, for when the upstream gave none."""
+        response = OwnResponse(status=status, body=error_body(kind, message, upstream=self.base),
+                               content_type="application/json")
+        self._stamp(response)
+        return response
+
+    def _stamp(self, response: web.StreamResponse) -> None:
+        """The proxy's two headers: its request id unless the upstream sent its own, and the concurrency."""
+        record = self.recorder.record
+        theirs = response.headers.get(REQUEST_ID)
+        if theirs is None:
+            response.headers[REQUEST_ID] = record.request_id
+        elif theirs != record.request_id:
+            record.upstream_request_id = theirs[:128]
+        response.headers[CONCURRENCY] = str(record.concurrency_at_start)
+
+    async def _relay(self, upstream: UpstreamResponse) -> web.StreamResponse:
+        recorder, deadlines = self.recorder, self.deadlines
+        coding = upstream.headers.get("Transfer-Encoding")
+        if not only_chunked(coding):
+            # The proxy reframes a body as chunked: gzip or another coding under it would be lost.
+            detail = "upstream answered with a transfer coding other than chunked, which the proxy does not relay"
+            recorder.no_answer("reset", detail, 502)
+            return self._answer(502, "upstream_invalid_response", detail)
+        response = RelayedResponse(status=upstream.status, reason=upstream.reason,
+                                   headers=_filtered(upstream.headers, _RESPONSE_SKIP))
+        response.added = frozenset(name for name in _ADDED_BY_AIOHTTP if name not in upstream.headers)
+        length = upstream.content_length
+        chunked = coding is not None
+        if length is not None and not chunked:
+            response.content_length = length
+        else:
+            length = None
+            self.pool.streamed(upstream)
+        self._stamp(response)
+        content_type = upstream.headers.get("Content-Type", "")
+        recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
+        await response.prepare(self.request)
+        feed = recorder.chunk
+        read = upstream.content.readany
+        clock = time.monotonic
+        last = clock()
+        max_gap = 0.0
+        closed = upstream.closed
+        fail_unended = functools.partial(_fail_unended_body, upstream.content)
+        if closed is not None:
+            closed.add_done_callback(fail_unended)
+        try:
+            async with deadlines.guard():
+                while True:
+                    deadlines.arm(last)
+                    chunk = await read()
+                    deadlines.disarm()
+                    now = clock()
+                    if not chunk:
+                        break
+                    gap = now - last
+                    if gap > max_gap:
+                        max_gap = gap
+                    last = now
+                    await response.write(chunk)
+                    feed(chunk, now)
+        except TimeoutError:
+            fired = deadlines.fired
+            if fired is None:
+                raise
+            if fired == "shutdown":
+                recorder.proxy_shutdown()
+            else:
+                recorder.deadline_enforced(fired)
+            recorder.body_ended(clock())
+            await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
+            return response
+        except _BROKEN_UPSTREAM as exc:
+            recorder.upstream_broke(f"upstream connection broke mid-body: {type(exc).__name__}: {exc}"[:300])
+            recorder.body_ended(clock())
+            self._break_client_connection(response)
+            return response
+        except ConnectionError:
+            # The client went away between two writes: a routine end, recorded as such. Re-raising
+            # would make aiohttp log it as a handler error with a traceback.
+            recorder.client_left()
+            return response
+        finally:
+            if closed is not None:
+                closed.remove_done_callback(fail_unended)  # pooled connections outlive the exchange
+            recorder.body_ended(clock())
+            self.max_gap = max_gap
+        try:
+            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked else None
+            writer = self.request.writer
+            if trailers is not None and isinstance(writer, StreamWriter) and writer.chunked:
+                await self._end_with_trailers(response, writer, trailers)
+            await response.write_eof()
+        except ConnectionError:  # gone before the end of the body reached it, as above
+            recorder.client_left()
+        return response
+
+    @staticmethod
+    async def _end_with_trailers(response: web.StreamResponse, writer: StreamWriter, trailers: bytes) -> None:
+        """The last chunk with the upstream's trailer fields, as they came: aiohttp's own end of a
+        chunked body has no room for them, so the end is written here and the writer told so."""
+        writer.chunked = False  # what follows goes out as it is: the last chunk and the trailer section
+        await response.write(b"0\r\n" + trailers + b"\r\n")
+
+    async def _end_visibly(self, response: web.StreamResponse, media: str,
+                           upstream: UpstreamResponse) -> None:
+        """Enforce a deadline: cut the upstream and end the stream with an error event."""
+        upstream.close()  # the server sees the disconnect and frees the sequence
+        fired = self.deadlines.fired
+        kind = {"total": "deadline_exceeded", "idle": "idle_timeout"}.get(fired or "", "proxy_shutdown")
+        if media in _STREAM_MEDIA and response.content_length is None:
+            try:
+                await response.write(enforcement_event(media, kind, self.deadlines.message()))
+                await response.write_eof()
+            except ConnectionError:
+                self.recorder.client_left()
+        else:  # a plain body cannot carry an event: a broken connection is the visible end
+            self._break_client_connection(response)
+
+    def _break_client_connection(self, response: web.StreamResponse) -> None:
+        """End the client's connection without a clean end of body, as the upstream did."""
+        self.closed_by_us = True
+        response.force_close()
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()
+
+    # --- the record ---------------------------------------------------------------------------
+    def _notify_start(self) -> None:
+        if not self.notified_start:
+            self.notified_start = True
+            self.observers.response_started(self.recorder.record)
+
+    def finish(self) -> None:
+        """Hand the finished record to the observers; runs exactly once per request."""
+        recorder = self.recorder
+        if not recorder.client_gone and not self.closed_by_us and self._client_connection_lost():
+            recorder.client_left()
+        self._notify_start()
+        recorder.body_ended(time.monotonic())
+        ended = recorder.ended_at
+        assert ended is not None
+        passed = self.deadlines.passed(ended, self.max_gap)
+        if passed is not None:
+            recorder.deadline_observed(passed)
+        check = self.check
+        if check is None:
+            self.observers.response_finished(recorder.finish(server=UNKNOWN_SERVER))
+            return
+        record = recorder.finish(server=check.facts)
+        check.probe.saw_model(record.model)
+        check.finished(record, recorder.tokenizer_query(), self.request.headers.get("Authorization"))
+
+    def _client_connection_lost(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()

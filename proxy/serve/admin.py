@@ -1,0 +1,390 @@
+"""The admin listener: /metrics, /healthz, /readyz and the record API, apart from the proxy port.
+
+It is a separate listener because the proxy port is fully transparent (vLLM's own /metrics
+must stay reachable through it). No admin read holds the event loop (and the live streams on
+it) for more than a few milliseconds: history pages and `/api/diagnose` run in a reader process
+of their own (proxy.serve.admin_reads), one at a time with a bounded queue; pages of the in-memory ring
+are found in a thread over a copy and written in small batches, each serialised on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import math
+import secrets
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from proxy.config import parse_duration
+from proxy.observers.history import History
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore, page_of
+from proxy.record import CAUSES, CONCURRENCY_BUCKETS, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
+from proxy.serve.admin_reads import AdminBusy, AdminReaders, AdminReadFailed, Blobs, json_arrays
+
+_log = structlog.get_logger("llm_diag_proxy")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+BATCH = 50  # records serialised between two yields to the event loop
+LENGTH_CAUSES: tuple[str, ...] = LengthCause.__args__  # type: ignore[attr-defined]
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload, default=str), status=status, content_type="application/json")
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    return _json({"error": {"type": kind, "message": message}}, status)
+
+
+class BadQuery(ValueError):
+    """A query parameter that cannot be used; its message goes back in a 400."""
+
+
+def _busy(exc: AdminBusy) -> web.Response:
+    response = _error(503, "admin_busy", str(exc))
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+def _read_failed(exc: AdminReadFailed) -> web.Response:
+    return _error(503, exc.kind if exc.kind != "error" else "admin_read_failed", str(exc))
+
+
+def parse_time(name: str, value: str) -> float:
+    """Unix seconds, ISO 8601 (`2026-12-03T10:00:00Z`; without a zone: UTC), or an age back from
+    now as `diagnose --since` takes it (`90s`, `30m`, `1h`, `7d`, `2w`)."""
+    try:
+        number = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(number):
+            raise BadQuery(f"{name} must be a finite time, got {value[:40]!r}")
+        return number
+    if value[-1:].lower() in "smhdw" and value[:-1].replace(".", "", 1).isdigit() and len(value) <= 20:
+        return time.time() - parse_duration(value)
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise BadQuery(f"{name} must be unix seconds, ISO 8601 or an age (1h, 30m, 7d), got {value[:40]!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+def _choice(query: dict[str, str], name: str, allowed: Sequence[str]) -> str | None:
+    value = query.get(name) or None
+    if value is not None and value not in allowed:
+        raise BadQuery(f"unknown {name} {value[:60]!r}; one of: {', '.join(allowed)}")
+    return value
+
+
+MAX_CURSOR = (1 << 63) - 1  # a cursor is a SQLite rowid: a signed 64-bit integer
+
+
+def bounded_int(text: str, low: int, high: int) -> int | None:
+    """`text` as an integer from `low` to `high`, else None; digits are counted before they are
+    converted, so a 5,000-digit number costs nothing (and meets no conversion limit)."""
+    text = text.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(high)):
+        return None
+    number = int(text)
+    return number if low <= number <= high else None
+
+
+def record_query(query: dict[str, str]) -> RecordQuery:
+    """The query parameters of GET /api/requests; raises BadQuery."""
+    limit = bounded_int(query.get("limit", str(DEFAULT_PAGE)), 1, MAX_PAGE)
+    if limit is None:
+        raise BadQuery(f"limit must be an integer from 1 to {MAX_PAGE}")
+    raw_cursor = query.get("cursor")
+    cursor = bounded_int(raw_cursor, 0, MAX_CURSOR) if raw_cursor is not None else None
+    if raw_cursor is not None and cursor is None:
+        raise BadQuery("cursor must be the next_cursor of an earlier page")
+    return RecordQuery(
+        stop_reason=_choice(query, "stop_reason", STOP_REASONS),
+        length_cause=_choice(query, "length_cause", LENGTH_CAUSES),
+        cause=_choice(query, "cause", CAUSES), outcome=_choice(query, "outcome", OUTCOMES),
+        concurrency=_choice(query, "concurrency", CONCURRENCY_BUCKETS),
+        model=query.get("model") or None, route=query.get("route") or None,
+        since=parse_time("since", query["since"]) if query.get("since") else None,
+        until=parse_time("until", query["until"]) if query.get("until") else None,
+        cursor=cursor, limit=limit)
+
+
+async def records_body(head: dict[str, object], records: Sequence[ResponseRecord], tail: dict[str, object]) -> bytes:
+    """`{...head, "records": [...], ...tail}`, serialised BATCH records at a time with the loop free between."""
+    arrays = await json_arrays(records, BATCH)
+    opening = orjson.dumps(head)[:-1] + (b',"records":[' if head else b'"records":[')
+    return opening + b",".join(array[1:-1] for array in arrays if len(array) > 2) + b"]," + orjson.dumps(tail)[1:]
+
+
+class UpstreamProbe:
+    """Can the upstream be reached? Said by /readyz; probed at most once a second, whatever the traffic."""
+
+    def __init__(self, upstream: str, session: aiohttp.ClientSession, authorization: str | None = None) -> None:
+        self.upstream = upstream
+        self.session = session
+        self._headers = {"Authorization": authorization} if authorization else {}
+        self._checked_at = 0.0
+        self._result: tuple[bool, str] = (False, "not checked yet")
+
+    async def check(self) -> tuple[bool, str]:
+        now = time.monotonic()
+        if now - self._checked_at < 1.0:
+            return self._result
+        self._checked_at = now
+        try:
+            timeout = aiohttp.ClientTimeout(total=2)
+            async with self.session.get(self.upstream + "/", timeout=timeout, allow_redirects=False,
+                                        headers=self._headers) as response:
+                self._result = (True, f"upstream answered HTTP {response.status}")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._result = (False, f"cannot reach the upstream {self.upstream}: {type(exc).__name__}: {exc}"[:300])
+        return self._result
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """`Authorization: Bearer TOKEN`, the scheme in any case (RFC 9110 section 11.1); any bytes."""
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    supplied = credentials.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(supplied, token.encode("utf-8", "surrogateescape"))
+
+
+SESSION_COOKIE = "llm_diag_admin"
+SESSION_TTL_S = 12 * 3600
+
+
+class Sessions:
+    """The page's session cookies: `EXPIRY.SIGNATURE`, an HMAC of the expiry and the admin token under a
+    key drawn anew by each start of the proxy. A cookie never holds the token; it expires after
+    SESSION_TTL_S; a restart, or a new token, revokes every one."""
+
+    def __init__(self, token: str, ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.time) -> None:
+        self._key = secrets.token_bytes(32)
+        self._token = token.encode("utf-8", "surrogateescape")
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    def _signature(self, expiry: int) -> str:
+        return hmac.new(self._key, b"%d:" % expiry + self._token, "sha256").hexdigest()
+
+    def issue(self) -> str:
+        expiry = int(self._clock() + self.ttl_s)
+        return f"{expiry}.{self._signature(expiry)}"
+
+    def valid(self, value: str) -> bool:
+        expiry_text, _, signature = value.partition(".")
+        expiry = bounded_int(expiry_text, 0, 1 << 40)
+        if expiry is None or expiry < self._clock():
+            return False
+        return hmac.compare_digest(signature.encode("ascii", "replace"), self._signature(expiry).encode())
+
+
+def allowed_host(host: str, names: frozenset[str]) -> bool:
+    """A `Host` a browser may send to the admin page without DNS rebinding behind it: an IP address
+    (what the listener binds), `localhost`, or a name the operator allowed (`--admin-allowed-hosts`;
+    `*` allows any)."""
+    if "*" in names:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name in names or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
+                    ready: Callable[[], bool] = lambda: True, history: History | None = None,
+                    allowed_hosts: frozenset[str] = frozenset(),
+                    readers: AdminReaders | None = None) -> web.Application:
+    sessions = Sessions(token) if token else None
+    readers = readers or AdminReaders()
+
+    @web.middleware
+    async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The page and the record API answer only a `Host` that is no stranger's name: a web page
+        that rebinds its own name to 127.0.0.1 finds nothing (the scrape and the probes stay open)."""
+        if (request.path.startswith("/api/") or request.path == "/") and not allowed_host(request.host, allowed_hosts):
+            return _error(403, "forbidden_host", "this Host is not one the admin listener answers; add it with "
+                                                 "--admin-allowed-hosts")
+        return await handler(request)
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """`/api/*` and the page `/` need the token: as a bearer header, or (for a browser) the cookie
+        the page sets after it was opened once as `/?token=TOKEN`."""
+        if not token or sessions is None or not (request.path.startswith("/api/") or request.path == "/"):
+            return await handler(request)
+        cookie = request.cookies.get(SESSION_COOKIE, "")
+        if bearer_matches(request.headers.get("Authorization", ""), token) or sessions.valid(cookie):
+            return await handler(request)
+        given = request.query.get("token")
+        if request.path == "/" and given is not None and hmac.compare_digest(
+                given.encode("utf-8", "surrogateescape"), token.encode("utf-8", "surrogateescape")):
+            found = web.Response(status=302, headers={"Location": "/"})  # the token leaves the address bar
+            found.set_cookie(SESSION_COOKIE, sessions.issue(), httponly=True, samesite="Strict", path="/",
+                             max_age=int(sessions.ttl_s))
+            return found
+        if request.path == "/":
+            return web.Response(status=401, content_type="text/plain",
+                                text="This page needs the admin token: open /?token=<token> once (a cookie "
+                                     "keeps you in), or send 'Authorization: Bearer <token>'.\n")
+        return _error(401, "unauthorized", "this admin API needs 'Authorization: Bearer <token>'")
+
+    async def page(request: web.Request) -> web.Response:
+        from proxy.serve import admin_page
+
+        choices = {"stop_reason": list(STOP_REASONS), "cause": list(CAUSES), "outcome": list(OUTCOMES),
+                   "concurrency": list(CONCURRENCY_BUCKETS)}
+        return web.Response(body=admin_page.render(choices), content_type="text/html",
+                            headers={"Cache-Control": "no-store", "X-Frame-Options": "DENY",
+                                     "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                                "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+    async def answer(request: web.Request, body: bytes) -> web.StreamResponse:
+        """A JSON body read elsewhere, written while it counts against the bound on admin answers."""
+        try:
+            with readers.answering_with(len(body)):
+                response = web.StreamResponse(headers={"Content-Type": "application/json"})
+                response.content_length = len(body)
+                await response.prepare(request)
+                await response.write(body)
+                await response.write_eof()
+                return response
+        except AdminBusy as exc:
+            return _busy(exc)
+
+    async def read(request: web.Request, name: str, *args: object,
+                   blobs: Blobs | None = None) -> web.StreamResponse | AdminReadFailed:
+        """A reader's answer written out, a 503 when the readers are busy, or why the read failed."""
+        try:
+            body = await readers.run(name, *args, blobs=blobs)
+        except AdminBusy as exc:
+            return _busy(exc)
+        except AdminReadFailed as exc:
+            if exc.kind == "history":
+                _log.warning("history_read_failed", error=str(exc))  # the ring still answers; say so
+            return exc
+        return await answer(request, body)
+
+    async def diagnose(request: web.Request) -> web.StreamResponse:
+        """The live verdict (`llm-diag-proxy diagnose`) of the last `since` seconds, as JSON, worked
+        out in the verdicts reader from the history (else from the ring, sent there in batches)."""
+        try:
+            seconds = float(request.query.get("since", "3600"))
+            min_per_level = int(request.query.get("min_per_level", "5"))
+        except ValueError:
+            return _error(400, "bad_request", "since is seconds, min_per_level an integer")
+        if not (0 < seconds <= 366 * 86400 and 1 <= min_per_level <= 1000):
+            return _error(400, "bad_request", "since must be 0 to a year of seconds, min_per_level 1 to 1000")
+        since = time.time() - seconds
+        admin = f"{request.scheme}://{request.host}"
+        if history is not None and history.up:
+            done = await read(request, "diagnose", history.path, since, min_per_level, admin)
+            if not isinstance(done, AdminReadFailed):
+                return done
+            if done.kind != "history":
+                return _read_failed(done)
+
+        async def ring() -> list[bytes]:
+            return await json_arrays([r for _, r in store.snapshot() if r.started_at >= since])
+
+        done = await read(request, "diagnose", None, since, min_per_level, admin, blobs=ring)
+        return _read_failed(done) if isinstance(done, AdminReadFailed) else done
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        # OpenMetrics when the scraper asks for it (Prometheus does): it carries the exemplars.
+        # Rendered off the event loop: thousands of lines take ~0.1 s of pure Python, which in a
+        # thread yields the loop every few ms (prometheus_client locks each metric as it copies it).
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        """Ready while the proxy can serve: a slow or absent upstream does not make it unready (that
+        would pull the only replica out of its Service while vLLM loads or stalls; upstream health
+        is a metric and an alert). `?upstream=required` asks for the upstream's answer as well."""
+        if not ready():
+            return _json({"status": "not_ready", "upstream": probe.upstream, "upstream_reachable": None,
+                          "detail": "the proxy port is not accepting: starting, shutting down, "
+                                    "or no worker alive"}, 503)
+        reachable, detail = await probe.check()
+        strict = request.query.get("upstream") == "required"
+        status = "ready" if reachable or not strict else "not_ready"
+        return _json({"status": status, "upstream": probe.upstream, "upstream_reachable": reachable,
+                      "detail": detail}, 200 if status == "ready" else 503)
+
+    async def list_requests(request: web.Request) -> web.StreamResponse:
+        """A page of records: from the history in the pages reader, else from a copy of the ring
+        read in a thread and serialised a batch at a time, one ring page at a time."""
+        try:
+            query = record_query(dict(request.query))
+        except BadQuery as exc:
+            return _error(400, "bad_request", str(exc))
+        if history is not None and history.up:
+            done = await read(request, "history_page", history.path, query)
+            if not isinstance(done, AdminReadFailed):
+                return done
+            if done.kind != "history":
+                return _read_failed(done)
+        try:
+            async with readers.memory.turn():
+                page = await asyncio.to_thread(page_of, store.snapshot(), query)
+                head = {"count": len(page.records), "source": "memory", "stored": len(store),
+                        "capacity": store.capacity}
+                body = await records_body(head, page.records, {"next_cursor": page.next_cursor})
+        except AdminBusy as exc:
+            return _busy(exc)
+        return await answer(request, body)
+
+    async def one_request(request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        record = store.get(request_id)
+        if record is None and history is not None and history.up:
+            with contextlib.suppress(sqlite3.Error):
+                record = await asyncio.to_thread(history.get, request_id)
+        if record is None:
+            return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")
+        return _json(record.to_dict())
+
+    async def no_server_version(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = "llm-diag-proxy"  # aiohttp's own names its version
+
+    async def close_reader(app: web.Application) -> None:
+        await readers.close()
+
+    app = web.Application(middlewares=[check_host, require_token])
+    app.on_cleanup.append(close_reader)
+    app.on_response_prepare.append(no_server_version)
+    app.router.add_get("/", page)
+    app.router.add_get("/api/diagnose", diagnose)
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/api/requests", list_requests)
+    app.router.add_get("/api/requests/{request_id}", one_request)
+    return app

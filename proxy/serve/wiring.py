@@ -1,0 +1,148 @@
+"""What one process and the supervisor of N workers both build: the forwarding path, the server
+check, the history, the tracer, the chain of observers, the upstream session, and the shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import aiohttp
+import structlog
+
+from proxy.config import ProxyConfig
+from proxy.diagnosis.server_check import CheckLimits, ServerCheck, open_server_check
+from proxy.observers.chain import ObserverChain
+from proxy.observers.history import History
+from proxy.observers.logs import LogObserver
+from proxy.observers.metrics import MetricsObserver, ProxyMetrics
+from proxy.observers.record_store import RecordStore
+from proxy.observers.telemetry import Telemetry
+from proxy.observers.tracing import Tracer
+from proxy.record import ResponseRecord
+from proxy.relay.forward import Forwarder
+from proxy.relay.in_flight import InFlightTracker
+from proxy.relay.upstream.pool import POOLED_IDLE_S
+from proxy.wire.byte_budget import ByteBudget
+
+T = TypeVar("T")
+_log = structlog.get_logger("llm_diag_proxy")
+# After the grace, the streams still open are ended at once; their handlers then need a moment to
+# write the end to the client and the record to the observers.
+END_WAIT_S = 2.0
+RUNNER_SHUTDOWN_S = 1.0  # what aiohttp gives its own handlers at cleanup (60 s by default)
+
+
+async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
+    """Refuse new requests, let open exchanges finish until `deadline`, then end the rest visibly
+    and give their handlers END_WAIT_S to write the end and the record."""
+    forwarder.refuse_new()
+    if forwarder.active:
+        _log.info("draining", open_exchanges=len(forwarder.active), grace_s=grace_s)
+    while forwarder.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if forwarder.active:
+        _log.warning("ending_open_exchanges", open_exchanges=len(forwarder.active),
+                     note="the shutdown grace ran out: each ends with a proxy_shutdown event and record")
+        forwarder.end_active()
+        wait_until = time.monotonic() + END_WAIT_S
+        while forwarder.active and time.monotonic() < wait_until:
+            await asyncio.sleep(0.02)
+
+
+def proxy_application(config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+                      budget: ByteBudget, check: ServerCheck | None = None,
+                      on_refused: Callable[[str], None] = lambda reason: None) -> Forwarder:
+    """The forwarding path: its `handle` answers every request on the proxy port (see `listen`).
+    Its owner closes it (`Forwarder.close`: its pool of upstream connections)."""
+    return Forwarder(config, observers, concurrency, budget, check, on_refused)
+
+
+def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None], on_result: Callable[[str], None],
+                 ) -> ServerCheck:
+    """What the proxy asks its upstream after each response (this process's share of the limits).
+    `--upstream-metrics off` means the proxy sends its upstream nothing but the clients' requests:
+    no probe of what server it is, no tokenizer call."""
+    asks = config.upstream_metrics != "off"
+    return open_server_check(config.upstream, config.upstream_authorization, deliver, probe=asks,
+                             tokenizer=asks and config.server_tokenizer, limits=CheckLimits().share(config.workers),
+                             on_result=on_result)
+
+
+def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
+    """The history database named by the config, its writer started; None when off. One that
+    cannot be opened is logged and stays down (`llm_proxy_history_up 0`): the proxy serves anyway."""
+    if config.history_path is None:
+        metrics.history_up.set(0)
+        return None
+    history = History(config.history_path, max_age_s=config.history_max_age_s, max_bytes=config.history_max_bytes,
+                      metrics=metrics)
+    history.open()
+    return history
+
+
+def open_tracer(config: ProxyConfig, metrics: ProxyMetrics) -> Tracer | None:
+    """The OpenTelemetry exporter when `--otel` asks for it (TracingUnavailable without the SDK)."""
+    if not config.otel:
+        return None
+    from proxy.observers.tracing import Tracer
+
+    return Tracer(config.upstream, metrics)
+
+
+def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
+                    extra_observers: tuple[object, ...] = (), log_records: bool | None = None,
+                    history: History | None = None, tracer: Tracer | None = None) -> ObserverChain:
+    """The observers of finished records, in order: the telemetry enricher first (what it adds
+    is exported below), then metrics, the JSON log line, the record store and the history."""
+    chain = ObserverChain()
+    chain.add(telemetry.observer)
+    for observer in extra_observers:
+        chain.add(observer)
+    chain.add(MetricsObserver(metrics))
+    if config.log_records if log_records is None else log_records:
+        chain.add(LogObserver(config.upstream))
+    chain.add(store)
+    for exporter in (history, tracer):
+        if exporter is not None:
+            chain.add(exporter)
+    return chain
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to its end on uvloop, or on asyncio's own loop where uvloop is not built."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+async def until_stopped(*others: Coroutine[Any, Any, Any]) -> None:
+    """Wait for SIGINT or SIGTERM, or for the first of `others` to end."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.ensure_future(stop.wait()), *(asyncio.ensure_future(other) for other in others)]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
+    """An aiohttp session for the proxy's own requests to the upstream (the admin's probe, the
+    server's /metrics): no decompression, no cookie jar, no proxy settings from the environment."""
+    return aiohttp.ClientSession(
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        trust_env=False,
+        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s, sock_read=None),
+        connector=aiohttp.TCPConnector(keepalive_timeout=POOLED_IDLE_S),
+    )

@@ -1,0 +1,497 @@
+"""`--workers N`: N processes serve the proxy port; one supervisor holds everything proxy-wide.
+
+Each worker is a whole forwarding path (its own event loop, listener and upstream pool) on the
+same port: every worker binds it with SO_REUSEPORT and the kernel spreads new connections over
+them. What must stay proxy-wide is not split:
+
+- the in-flight count and every concurrency figure come from one set of counts in shared
+  memory, updated under one lock (`proxy.relay.in_flight.SharedCounts`); so is the parse budget;
+- each finished record goes, length-prefixed JSON over a pipe, to the supervisor, which runs the
+  observers a single process runs (telemetry's enricher, metrics, the log line, the record
+  store): `/metrics` and `/api/requests` see every worker's exchanges, and the admin listener,
+  NVML and the upstream's own metrics are polled once;
+- deadlines, disconnects and the shutdown grace act inside each worker as with one process. On
+  SIGTERM the supervisor passes it on, waits for every worker to drain and hand over its last
+  records, then stops.
+
+A worker that dies is started again (at most RESTARTS_PER_MINUTE a minute; past that the proxy
+stops with exit code 1 rather than serve at a fraction of itself). A worker never blocks on the
+supervisor: when its pipe holds more than SEND_BUFFER_MAX bytes, records are dropped and counted
+(`llm_proxy_records_lost_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+import structlog
+
+from proxy.config import HostPort, ProxyConfig
+from proxy.observers.chain import ObserverChain
+from proxy.observers.logs import configure_logging
+from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.record_store import RecordStore
+from proxy.observers.telemetry import Telemetry
+from proxy.observers.tracing import TracingUnavailable
+from proxy.processes import follow_parent
+from proxy.record import ResponseRecord, record_from_dict
+from proxy.relay.in_flight import OWNERS, InFlightTracker, SharedCounts
+from proxy.relay.listeners import listen
+from proxy.serve.admin import UpstreamProbe, build_admin_app
+from proxy.serve.wiring import (
+    END_WAIT_S,
+    RUNNER_SHUTDOWN_S,
+    drain,
+    exporting_chain,
+    open_history,
+    open_tracer,
+    proxy_application,
+    run_loop,
+    server_check,
+    until_stopped,
+    upstream_session,
+)
+from proxy.wire.byte_budget import ByteBudget, shared_budget
+
+_log = structlog.get_logger("llm_diag_proxy")
+FRAME = struct.Struct(">I")
+MAX_MESSAGE = 16 * 1024 * 1024  # one record is a few KB; anything near this is a broken channel
+SEND_BUFFER_MAX = 8 * 1024 * 1024
+START_TIMEOUT_S = 60.0
+RESTARTS_PER_MINUTE = 5
+CHANNEL_WAIT_S = 5.0  # how long a dead worker's pipe may take to give up its last records
+
+
+# --- the worker side -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What a worker process is started with (pickled to it)."""
+
+    index: int
+    config: ProxyConfig
+    counts: SharedCounts
+    budget: tuple[Any, Any, Any]
+    ledger: Any  # RawArray("q"): per worker, its exchanges without a record yet and its records written
+    supervisor: int  # the supervisor's pid: a worker does not outlive it
+    channel: Connection  # the write end of its pipe to the supervisor
+
+    @property
+    def owner(self) -> int:
+        """Its slot in the shared counts (0 is a single process's)."""
+        return self.index + 1
+
+
+class RecordSender:
+    """The worker's one observer: each finished record, and each refused request, to the supervisor.
+
+    It keeps its ledger in shared memory, written by this worker alone: the exchanges begun whose
+    record is not written yet, and the records written to the pipe. When the worker dies, the
+    supervisor counts every record the ledger shows it will never read."""
+
+    def __init__(self, transport: asyncio.WriteTransport, ledger: Any = None, owner: int = 0) -> None:
+        self._transport = transport
+        self.lost = 0  # not yet reported
+        self._ledger = ledger if ledger is not None else [0] * (2 * (owner + 1))
+        self._pending, self._written = 2 * owner, 2 * owner + 1
+
+    def send(self, message: dict[str, Any]) -> None:
+        transport = self._transport
+        if transport.is_closing() or transport.get_write_buffer_size() > SEND_BUFFER_MAX:
+            self.lost += "record" in message
+            return
+        if self.lost:
+            lost, self.lost = self.lost, 0
+            self.send({"lost": lost})
+        payload = orjson.dumps(message, default=str)
+        transport.write(FRAME.pack(len(payload)) + payload)
+        if "record" in message:
+            self._ledger[self._written] += 1
+
+    def on_response_start(self, record: ResponseRecord) -> None:
+        self._ledger[self._pending] += 1
+
+    def on_response(self, record: ResponseRecord) -> None:
+        self._ledger[self._pending] -= 1
+        self.send({"record": record.to_dict()})
+
+    def refused(self, reason: str) -> None:
+        self.send({"refused": reason})
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait until what was written reached the pipe (bounded), then close it."""
+        deadline = time.monotonic() + timeout_s
+        while self._transport.get_write_buffer_size() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._transport.close()
+
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """The entry point of a worker process."""
+    follow_parent(args.supervisor)  # no worker keeps the port open with no one reading its records
+    config = args.config
+    configure_logging(config.log_level, config.log_format)
+    structlog.contextvars.bind_contextvars(worker=args.index)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the supervisor, which says when
+    run_loop(_worker(args))
+
+
+async def _worker(args: WorkerArgs) -> None:
+    config = args.config
+    loop = asyncio.get_running_loop()
+    pipe = os.fdopen(os.dup(args.channel.fileno()), "wb", buffering=0)
+    args.channel.close()
+    transport, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
+    sender = RecordSender(transport, args.ledger, args.owner)
+    tracker = InFlightTracker(counts=args.counts, owner=args.owner)
+    budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
+    check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
+    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check, sender.refused)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
+                                     header_timeout_s=config.header_timeout_s, on_refused=sender.refused,
+                                     shutdown_timeout=RUNNER_SHUTDOWN_S, handler_cancellation=True,
+                                     reuse_port=True)
+    check.start()
+    sender.send({"listening": url, "pid": os.getpid()})
+    await stop.wait()
+    started = time.monotonic()
+    await site.stop()
+    await drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
+    forwarder.end_active()
+    await runner.cleanup()
+    await check.close()
+    await forwarder.close()
+    await sender.flush(END_WAIT_S)
+
+
+# --- the supervisor --------------------------------------------------------------------------
+class WorkerFailed(Exception):
+    """A worker could not start, or kept dying."""
+
+
+class FrameReader(asyncio.Protocol):
+    """Length-prefixed JSON messages from one worker's pipe."""
+
+    def __init__(self, on_message: Any, on_end: Any) -> None:
+        self._buffer = bytearray()
+        self._on_message = on_message
+        self._on_end = on_end
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= FRAME.size:
+            (size,) = FRAME.unpack_from(buffer)
+            if size > MAX_MESSAGE:
+                _log.error("worker_channel_broken", detail=f"a message of {size} bytes")
+                buffer.clear()
+                return
+            if len(buffer) < FRAME.size + size:
+                return
+            payload = bytes(buffer[FRAME.size:FRAME.size + size])
+            del buffer[:FRAME.size + size]
+            try:
+                self._on_message(orjson.loads(payload))
+            except Exception as exc:  # a bad message must not end the supervisor
+                _log.warning("worker_message_unreadable", error=repr(exc)[:300])
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_end()
+
+
+class Channel:
+    """One worker process's pipe, as the supervisor reads it: its end, and the records it gave."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.records = 0
+
+
+class Worker:
+    """One worker process as the supervisor sees it (a restart is a new process in the same slot)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: Any = None
+        self.url: str | None = None
+        self.listening = asyncio.Event()
+        self.channel = Channel()
+
+    @property
+    def channel_closed(self) -> asyncio.Event:
+        return self.channel.closed
+
+    @property
+    def owner(self) -> int:
+        return self.index + 1
+
+
+class WorkerPool:
+    """Starts, watches, restarts and stops the workers; hands their messages to the exporters; gives
+    back what a worker that died held (its in-flight requests, its parse budget) and counts the
+    records it took with it."""
+
+    def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any, Any], chain: ObserverChain,
+                 metrics: ProxyMetrics) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self._config = config
+        self._counts = counts
+        self._budget = budget
+        self._tracker = InFlightTracker(counts=counts)
+        self._bytes = ByteBudget(config.parse_budget_bytes, shared=budget)
+        self._ledger: Any = self._context.RawArray("q", 2 * OWNERS)
+        self._chain = chain
+        self._metrics = metrics
+        self.workers = [Worker(i) for i in range(config.workers)]
+        self.stopping = False
+        self.failed = asyncio.Event()
+        self._restarts: list[float] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def alive(self) -> int:
+        return sum(1 for w in self.workers if w.process is not None and w.process.is_alive())
+
+    @property
+    def ready(self) -> bool:
+        """The proxy port accepts: some worker is alive and listening on it, and none is stopping."""
+        return not self.stopping and any(w.listening.is_set() and w.process is not None and w.process.is_alive()
+                                         for w in self.workers)
+
+    async def start(self) -> None:
+        """Start every worker and wait until each listens (WorkerFailed when one cannot)."""
+        for worker in self.workers:
+            await self._spawn(worker)
+        for worker in self.workers:
+            await self._until_listening(worker)
+
+    async def _spawn(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        reader, writer = self._context.Pipe(duplex=False)
+        worker.listening = asyncio.Event()
+        worker.channel = channel = Channel()
+        self._ledger[2 * worker.owner] = self._ledger[2 * worker.owner + 1] = 0
+        args = WorkerArgs(worker.index, self._config, self._counts, self._budget, self._ledger, os.getpid(), writer)
+        process = self._context.Process(target=worker_main, args=(args,), name=f"llm-diag-proxy-worker-{worker.index}",
+                                        daemon=True)
+        process.start()
+        writer.close()  # the worker holds its own end; EOF here means it is gone
+        worker.process = process
+        pipe = os.fdopen(os.dup(reader.fileno()), "rb", buffering=0)
+        reader.close()
+        await loop.connect_read_pipe(
+            lambda: FrameReader(lambda message: self._message(worker, channel, message), channel.closed.set), pipe)
+        loop.add_reader(process.sentinel, self._exited, worker, process)
+
+    async def _until_listening(self, worker: Worker) -> None:
+        waiter = asyncio.ensure_future(worker.listening.wait())
+        ended = asyncio.ensure_future(worker.channel_closed.wait())
+        _, pending = await asyncio.wait({waiter, ended}, timeout=START_TIMEOUT_S,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if not worker.listening.is_set():
+            raise WorkerFailed(f"worker {worker.index} did not start listening on {self._config.listen} "
+                               "(is the port taken by a process without SO_REUSEPORT?)")
+
+    def _message(self, worker: Worker, channel: Channel, message: dict[str, Any]) -> None:
+        record = message.get("record")
+        if isinstance(record, dict):
+            channel.records += 1
+            self._chain.response_finished(record_from_dict(record))
+        elif "refused" in message:
+            self._metrics.count_refused(str(message["refused"]))
+        elif "lost" in message:
+            self._metrics.records_lost.inc(int(message["lost"]))
+        elif "tokenizer" in message:
+            self._metrics.count_tokenizer(str(message["tokenizer"])[:16])
+        elif "listening" in message:
+            worker.url = str(message["listening"])
+            worker.listening.set()
+        self._metrics.workers.set(self.alive)
+
+    def _exited(self, worker: Worker, process: Any) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(process.sentinel)
+        process.join(0)
+        self._metrics.workers.set(self.alive)
+        if worker.process is not process:
+            return
+        # What it held goes back at once, so that no later request sees its requests in flight.
+        in_flight = self._tracker.forget(worker.owner)
+        held = self._bytes.forget(worker.owner)
+        pending, written = self._ledger[2 * worker.owner], self._ledger[2 * worker.owner + 1]
+        self._spawn_task(self._account(worker, worker.channel, process.exitcode, in_flight, held, pending, written))
+        if self.stopping:
+            return
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 60.0] + [now]
+        if len(self._restarts) > RESTARTS_PER_MINUTE:
+            _log.error("worker_keeps_dying", worker=worker.index, exit_code=process.exitcode,
+                       note=f"more than {RESTARTS_PER_MINUTE} restarts in a minute: the proxy stops")
+            self.failed.set()
+            return
+        self._spawn_task(self._restart(worker))
+
+    def _spawn_task(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _account(self, worker: Worker, channel: Channel, exit_code: int | None, in_flight: int, held: int,
+                       pending: int, written: int) -> None:
+        """Once its pipe has given up what it held: the records a dead worker took with it (exchanges
+        begun with no record written, and records written that never arrived), counted and said once."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(channel.closed.wait(), CHANNEL_WAIT_S)
+        lost = max(0, pending) + max(0, written - channel.records)
+        if lost:
+            self._metrics.records_lost.inc(lost)
+        if exit_code == 0 and not lost:
+            return  # a worker that stopped as asked
+        _log.error("worker_died", worker=worker.index, exit_code=exit_code, in_flight_released=in_flight,
+                   parse_budget_released_bytes=held, open_exchanges=max(0, pending), records_lost=lost,
+                   note="its requests leave the in-flight count and its budget is given back"
+                        + ("" if self.stopping else "; starting it again"))
+
+    async def _restart(self, worker: Worker) -> None:
+        try:
+            await self._spawn(worker)
+            await self._until_listening(worker)
+        except (OSError, WorkerFailed) as exc:
+            _log.error("worker_restart_failed", worker=worker.index, error=str(exc)[:300])
+            self.failed.set()
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM to every worker; wait for each to drain (grace + the end wait) and hand over its
+        last records; kill what is left."""
+        self.stopping = True
+        running = [w for w in self.workers if w.process is not None and w.process.is_alive()]
+        for worker in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + END_WAIT_S + 5.0
+        while any(w.process.is_alive() for w in running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for worker in running:
+            if worker.process.is_alive():
+                _log.error("worker_did_not_stop", worker=worker.index, note="killed")
+                worker.process.kill()
+        for worker in self.workers:  # their last records are in the pipes until each reads EOF
+            if worker.process is None:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.channel_closed.wait(), 5.0)
+            worker.process.join(1.0)
+
+
+def reserve_port(where: HostPort) -> tuple[socket.socket, HostPort]:
+    """For port 0, a free port held by a bound (not listening) SO_REUSEPORT socket until every
+    worker listens on it; any other port as it is (the socket only checks it can be shared)."""
+    family = socket.AF_INET6 if ":" in where.host else socket.AF_INET
+    held = socket.socket(family, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        held.bind((where.host, where.port))
+    except OSError:
+        held.close()
+        raise
+    return held, replace(where, port=held.getsockname()[1])
+
+
+def serve_workers(config: ProxyConfig) -> int:
+    """Run the supervisor and its workers until SIGINT/SIGTERM; returns the exit code."""
+    try:
+        return run_loop(_supervise(config))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _supervise(config: ProxyConfig) -> int:
+    if not hasattr(socket, "SO_REUSEPORT"):
+        print("llm-diag-proxy: error: --workers needs SO_REUSEPORT, which this platform lacks", file=sys.stderr)
+        return 2
+    try:
+        held, where = reserve_port(config.listen)
+    except OSError as exc:
+        print(f"llm-diag-proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    config = replace(config, listen=where)
+    context = multiprocessing.get_context("spawn")
+    counts = SharedCounts(context)
+    budget_state = shared_budget(context)
+    metrics = ProxyMetrics(max_models=config.max_models)
+    store = RecordStore(config.ring_size)
+    telemetry = Telemetry(config, metrics)
+    try:
+        tracer = open_tracer(config, metrics)
+    except TracingUnavailable as exc:
+        held.close()
+        print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
+        return 2
+    history = open_history(config, metrics)
+    chain = exporting_chain(config, metrics, telemetry, store, history=history, tracer=tracer)
+    view = InFlightTracker(counts=counts)
+    budget = ByteBudget(config.parse_budget_bytes, shared=budget_state)
+    metrics.read_state(in_flight=lambda: view.in_flight, parse_budget_used=lambda: budget.used,
+                       parse_budget_refusals=lambda: budget.refused)
+    pool = WorkerPool(config, counts, budget_state, chain, metrics)
+    session = upstream_session(config)
+    probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
+    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: pool.ready,
+                                history=history, allowed_hosts=config.admin_allowed_hosts)
+    admin_runner = None
+    code = 0
+    try:
+        admin_runner, _, admin_url = await listen(admin_app, config.admin_listen, backlog=config.backlog,
+                                                  header_timeout_s=config.header_timeout_s,
+                                                  on_refused=metrics.count_refused, shutdown_timeout=RUNNER_SHUTDOWN_S)
+        await telemetry.start()
+        await pool.start()
+        held.close()
+        metrics.workers.set(pool.alive)
+        _log.info("listening", proxy=pool.workers[0].url, admin=admin_url, upstream=config.upstream,
+                  workers=config.workers, deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
+                  deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s)
+        await until_stopped(pool.failed.wait())
+        code = 1 if pool.failed.is_set() else 0
+    except OSError as exc:
+        print(f"llm-diag-proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        code = 2
+    except WorkerFailed as exc:
+        print(f"llm-diag-proxy: error: {exc}", file=sys.stderr)
+        code = 2
+    finally:
+        started = time.monotonic()
+        _log.info("stopping", shutdown_grace_s=config.shutdown_grace_s, workers=config.workers)
+        await pool.stop(config.shutdown_grace_s)
+        held.close()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await telemetry.stop()
+        await session.close()
+        if history is not None:
+            await asyncio.to_thread(history.close)
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)
+        _log.info("stopped", seconds=round(time.monotonic() - started, 3))
+    return code

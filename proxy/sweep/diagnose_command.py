@@ -1,0 +1,157 @@
+"""`llm-diag-proxy diagnose`: the sweep's verdict applied to the proxy's own records of live traffic.
+
+The records come from the history database (`--history PATH`) or from a running proxy
+(`--admin URL`, paging through `/api/requests`). Only comparable requests are compared: they are
+grouped by model and by requested-budget band (powers of two), and within a group by the
+concurrency each one saw (the bucket of its `concurrency_peak`), which plays the part of the
+sweep's levels (proxy.sweep.live). Each group then goes through the sweep's own code: the
+per-level summaries, the table, the verdict, `sweep.json`/`sweep.csv` and the HTML report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from proxy.config import CliError, flag_type, parse_duration, parse_positive_int, parse_upstream_url
+from proxy.record import ResponseRecord, record_from_dict
+from proxy.sweep import export, table
+from proxy.sweep.live import MIN_PER_LEVEL, OBSERVATIONAL, Group, explain, groups_of
+from proxy.sweep.session import exit_code
+from proxy.sweep.stats import by_level
+from proxy.sweep.sweep_command import parse_verdicts
+from proxy.sweep.verdict import Verdict
+
+MAX_RECORDS = 200_000
+# --- where the records come from -------------------------------------------------------------
+def from_history(path: str, since: float, until: float | None) -> list[ResponseRecord]:
+    from proxy.observers.history import History
+
+    if not Path(path).exists():
+        raise CliError(f"no history database at {path} (the proxy's --history)")
+    history = History(path, max_age_s=0, max_bytes=0)
+    try:
+        return history.between(since, until, MAX_RECORDS)
+    except Exception as exc:  # sqlite3.Error and friends: one line, not a traceback
+        raise CliError(f"cannot read the history at {path}: {exc}") from None
+
+
+async def from_admin(admin: str, token: str | None, since: float, until: float | None) -> list[ResponseRecord]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    found: list[ResponseRecord] = []
+    cursor: Any = None
+    params = {"since": f"{since:.3f}", "limit": "1000", **({"until": f"{until:.3f}"} if until else {})}
+    timeout = aiohttp.ClientTimeout(total=60)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while len(found) < MAX_RECORDS:
+                query = {**params, **({"cursor": str(cursor)} if cursor is not None else {})}
+                async with session.get(f"{admin}/api/requests", params=query, headers=headers) as response:
+                    if response.status != 200:
+                        raise CliError(f"the admin API at {admin} answered HTTP {response.status}"
+                                       + (" (is --admin-token right?)" if response.status == 401 else ""))
+                    page = orjson.loads(await response.read())
+                found += [record_from_dict(r) for r in page["records"]]
+                cursor = page.get("next_cursor")
+                if cursor is None:
+                    break
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise CliError(f"cannot reach the proxy's admin API at {admin}: {type(exc).__name__}: {exc}"[:300]) from None
+    return found
+
+
+# --- the command -----------------------------------------------------------------------------
+def register(subparsers: Any) -> None:
+    from proxy.sweep.sweep_command import VERDICT_KINDS
+
+    parser = subparsers.add_parser(
+        "diagnose", help="the sweep's verdict on the proxy's records of live traffic (observational)",
+        description="Groups the proxy's records of live traffic by model, budget band and the concurrency "
+                    "each saw, and applies the sweep's rules: completion and output length by level, the "
+                    "dominant cause and where it starts. Observational: it says when a controlled sweep is "
+                    "needed to be sure.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--history", default=None, metavar="PATH",
+                        help="the proxy's history database (default: the proxy's default location)")
+    source.add_argument("--admin", type=flag_type(parse_upstream_url), default=None, metavar="URL",
+                        help="a running proxy's admin URL (reads /api/requests)")
+    parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
+                        help="bearer token of the admin API (env LLM_DIAG_ADMIN_TOKEN)")
+    parser.add_argument("--since", type=flag_type(parse_duration), default=3600.0, metavar="AGE",
+                        help="records of the last AGE: 30m, 1h, 1d (default 1h)")
+    parser.add_argument("--model", default=None, help="only this model")
+    parser.add_argument("--min-per-level", type=flag_type(parse_positive_int), default=MIN_PER_LEVEL, metavar="N",
+                        help="a concurrency level needs this many records to count (default %(default)s)")
+    parser.add_argument("--target", default="http://127.0.0.1:8080", metavar="URL",
+                        help="the proxy's URL, for the sweep command it suggests (default %(default)s)")
+    parser.add_argument("--out-dir", default=None, metavar="DIR",
+                        help="write diagnose.json and diagnose.csv per group here (default: not written)")
+    parser.add_argument("--report", default=None, metavar="FILE.html",
+                        help="the HTML report of the largest group, as the sweep's")
+    parser.add_argument("--fail-on", type=flag_type(parse_verdicts), default=None, metavar="VERDICTS",
+                        help=f"exit 1 when a group's verdict is one of: {', '.join(VERDICT_KINDS)}")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    since = time.time() - args.since
+    if args.admin is not None:
+        records = asyncio.run(from_admin(args.admin, args.admin_token, since, None))
+        where = args.admin
+    else:
+        from proxy.observers.history import default_path
+
+        path = args.history or os.environ.get("LLM_DIAG_HISTORY") or default_path()
+        records = from_history(path, since, None)
+        where = path
+    groups = groups_of(records, model=args.model, min_per_level=args.min_per_level)
+    admin = args.admin or "http://127.0.0.1:9464"
+    out = sys.stdout
+    out.write(f"llm-diag-proxy diagnose: {len(records)} records since "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} from {where}\n")
+    if not groups:
+        out.write(f"VERDICT (insufficient_data): no model and budget band has records at two concurrency levels "
+                  f"with {args.min_per_level} or more each; widen --since, lower --min-per-level, or run the "
+                  f"controlled sweep\n")
+        return exit_code(Verdict("insufficient_data", "", None, None, False, (), ""), args.fail_on)
+    code = 0
+    for number, group in enumerate(groups):
+        out.write(f"\n== {group.name()}: {len(group.samples)} answers\n{table.render(group.summaries)}\n\n"
+                  f"{group.verdict.text()}\n" + "\n".join(explain(group, args.target, admin)) + "\n")
+        try:
+            write_files(group, number, args, where, since)
+        except OSError as exc:
+            raise CliError(f"cannot write the diagnose files: {exc}") from None
+        code = max(code, exit_code(group.verdict, args.fail_on, sys.stderr))
+    out.flush()
+    return code
+
+
+def write_files(group: Group, number: int, args: argparse.Namespace, where: str, since: float) -> None:
+    plan = {"kind": "diagnose (observational)", "model": group.model, "budget_band": group.band,
+            "since": since, "source": where, "note": OBSERVATIONAL,
+            "levels": ",".join(str(s.level) for s in group.summaries),
+            "run": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "tool": "llm-diag-proxy diagnose",
+                    "target": where, "model": group.model, "server_type": "live traffic"}}
+    if args.out_dir is not None:
+        directory = Path(args.out_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        suffix = "" if number == 0 else f"-{number}"
+        (directory / f"diagnose{suffix}.json").write_bytes(
+            export.sweep_json(plan, group.summaries, group.verdict, group.samples))
+        (directory / f"diagnose{suffix}.csv").write_text(export.sweep_csv(group.samples, group.summaries),
+                                                         encoding="utf-8")
+    if args.report is not None and number == 0:
+        from proxy.sweep import report
+
+        Path(args.report).write_text(report.render(group.summaries, by_level(group.samples), group.verdict, plan),
+                                     encoding="utf-8")
+

@@ -1,0 +1,113 @@
+"""One sweep run from a plan to its output: the run, the per-level table and the verdict printed,
+sweep.json, sweep.csv and the HTML report written. What `sweep` runs, and `demo` through the proxy
+it starts."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from proxy import __version__
+from proxy.config import CliError
+from proxy.sweep import export, table
+from proxy.sweep.progress import ProgressBar
+from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
+from proxy.sweep.sample import Sample
+from proxy.sweep.stats import LevelSummary, by_level, summarize
+from proxy.sweep.verdict import Verdict, decide
+from proxy.wire.server_facts import ServerInfo
+
+FAIL_EXIT = 1  # a verdict named in --fail-on; 2 stays a usage or connection error
+
+
+def exit_code(verdict: Verdict, fail_on: frozenset[str] | None, stderr: TextIO | None = None) -> int:
+    """FAIL_EXIT, with one line on stderr, when the verdict is one the user asked to fail on; else 0."""
+    if not fail_on or verdict.kind not in fail_on:
+        return 0
+    print(f"llm-diag-proxy: verdict {verdict.kind} is in --fail-on: exit {FAIL_EXIT}",
+          file=stderr or sys.stderr, flush=True)
+    return FAIL_EXIT
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOutcome:
+    samples: list[Sample]
+    summaries: list[LevelSummary]
+    verdict: Verdict
+    written: list[Path]
+    server: ServerInfo | None = None
+
+
+def analyse(samples: Sequence[Sample], plan: SweepPlan,
+            server: ServerInfo | None = None) -> tuple[list[LevelSummary], Verdict]:
+    """Per-level summaries and the verdict of a finished sweep (pure)."""
+    summaries = summarize(samples)
+    verdict = decide(summaries, by_level(samples), client_timeout_s=plan.timeout_s or None, server=server)
+    return summaries, verdict
+
+
+async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | None, progress: bool,
+                  stdout: TextIO | None = None) -> SweepOutcome:
+    """Run the sweep, print the table and the verdict, write the requested files."""
+    out = stdout if stdout is not None else sys.stdout
+    bar = ProgressBar(plan.total, enabled=progress)
+    try:
+        run = await run_sweep(plan, on_level_start=bar.start_level, on_done=bar.advance,
+                              on_level_done=bar.level_done)
+    except SweepError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        bar.close()
+    samples = run.samples
+    summaries, verdict = analyse(samples, plan, run.server)
+    described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None,
+                 "run": run_metadata(plan, run.server)}
+    written: list[Path] = []
+    try:
+        if out_dir is not None:
+            directory = Path(out_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            json_path, csv_path = directory / "sweep.json", directory / "sweep.csv"
+            json_path.write_bytes(export.sweep_json(described, summaries, verdict, samples))
+            csv_path.write_text(export.sweep_csv(samples, summaries), encoding="utf-8")
+            written += [json_path, csv_path]
+        if report_path is not None:
+            from proxy.sweep import report  # imported late: plotly is only needed here
+
+            page = report.render(summaries, by_level(samples), verdict, described)
+            path = Path(report_path)
+            path.write_text(page, encoding="utf-8")
+            written.append(path)
+    except OSError as exc:
+        raise CliError(f"cannot write the sweep's files: {exc}") from None
+    joined = sum(s.joined for s in summaries)
+    source = (f"records joined from the proxy: {joined} of {len(samples)}" if plan.admin
+              else "no --admin: stop reasons come from the sweep's own parse of each stream")
+    source = "; ".join([source, *run.notes])
+    notes = [s.join_note for s in samples if s.join_note]
+    if notes:
+        source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
+                   "that --admin belongs to?")
+    out.write(f"{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
+    if written:
+        out.write("wrote " + ", ".join(str(p) for p in written) + "\n")
+    out.flush()
+    return SweepOutcome(list(samples), summaries, verdict, written, run.server)
+
+
+def server_type(server: ServerInfo | None) -> str:
+    """`llama.cpp`, `vLLM`, `Ollama`: named by the endpoint that described the server's context."""
+    if server is None:
+        return "not identified (no llama.cpp /props, vLLM max_model_len or Ollama /api/ps answer)"
+    return server.source.split(" GET ")[0]
+
+
+def run_metadata(plan: SweepPlan, server: ServerInfo | None) -> dict[str, Any]:
+    """What a reader of a saved report needs to know which run it is."""
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "tool": "llm-diag-proxy",
+            "version": __version__, "target": plan.target, "model": plan.model, "dialect": plan.dialect,
+            "server_type": server_type(server), "joined_from_proxy": plan.admin is not None}

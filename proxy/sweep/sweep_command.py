@@ -1,0 +1,134 @@
+"""`llm-diag-proxy sweep`: run the concurrency sweep, print the table and the verdict, write the files."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Any, cast, get_args
+
+from proxy.config import ConfigError, flag_type, parse_positive_int, parse_seconds, parse_upstream_url
+from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepPlan
+from proxy.sweep.session import execute, exit_code
+from proxy.sweep.verdict import VerdictKind
+
+DEFAULT_PROMPT = ("Explain in five short paragraphs how a bicycle's gears work, "
+                  "then give three tips for shifting smoothly.")
+DEFAULT_LEVELS = "1,2,4,8"
+MAX_LEVEL = 4096
+
+
+def parse_levels(value: str) -> tuple[int, ...]:
+    """`1,2,4,8` -> (1, 2, 4, 8): positive, distinct, sorted ascending."""
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if not parts:
+        raise ConfigError(f"invalid levels {value!r}: expected a list like 1,2,4,8")
+    levels: set[int] = set()
+    for part in parts:
+        if not part.isdigit() or not 1 <= int(part) <= MAX_LEVEL:
+            raise ConfigError(f"invalid level {part!r} in {value!r}: each must be 1 to {MAX_LEVEL}")
+        levels.add(int(part))
+    return tuple(sorted(levels))
+
+
+def parse_integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"invalid integer {value!r}") from None
+
+
+def parse_temperature(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"invalid temperature {value!r}") from None
+    if not 0 <= number <= 10:
+        raise ConfigError(f"invalid temperature {value!r}: expected 0 to 10")
+    return number
+
+
+VERDICT_KINDS: tuple[str, ...] = get_args(VerdictKind)
+
+
+def parse_verdicts(value: str) -> frozenset[str]:
+    """`serving_defect,policy` -> the verdict kinds that fail the run (exit 1)."""
+    kinds = {p.strip() for p in value.split(",") if p.strip()}
+    unknown = sorted(kinds - set(VERDICT_KINDS))
+    if not kinds or unknown:
+        raise ConfigError(f"invalid verdict {', '.join(map(repr, unknown)) or repr(value)}: expected a "
+                          f"comma-separated list of {', '.join(VERDICT_KINDS)}")
+    return frozenset(kinds)
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The request and level flags; `demo` reuses them with its own short defaults (set_defaults)."""
+    parser.add_argument("--levels", type=flag_type(parse_levels), default=parse_levels(DEFAULT_LEVELS),
+                        help="concurrency levels, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--repeats", type=flag_type(parse_positive_int), default=5,
+                        help="requests per in-flight slot: level L sends L x repeats requests "
+                             "(default %(default)s)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the one prompt every request sends")
+    parser.add_argument("--max-tokens", type=flag_type(parse_positive_int), default=256,
+                        help="requested output budget per request (default %(default)s)")
+    parser.add_argument("--seed", type=flag_type(parse_integer), default=42,
+                        help="sampling seed, the same for every request (default %(default)s)")
+    parser.add_argument("--temperature", type=flag_type(parse_temperature), default=0.0,
+                        help="sampling temperature (default %(default)s)")
+    parser.add_argument("--timeout", type=flag_type(parse_seconds), default=120.0, metavar="SECONDS",
+                        help="the client gives up on a response after this long, 0 = never "
+                             "(default %(default)s)")
+    parser.add_argument("--out-dir", default=".", metavar="DIR",
+                        help="where sweep.json and sweep.csv go (default: %(default)s; "
+                             "for demo: not written unless given)")
+    parser.add_argument("--report", default=None, metavar="FILE.html",
+                        help="also write a self-contained HTML report with charts")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--fail-on", type=flag_type(parse_verdicts), default=None, metavar="VERDICTS",
+                        help="exit 1 when the verdict is one of these, for a CI gate: comma-separated, of "
+                             f"{', '.join(VERDICT_KINDS)} (default: always exit 0 once the sweep ran)")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sweep", help="the same request at rising concurrency, with a verdict on what changed",
+        description="Closed-loop sweep: at each level exactly L streaming requests are in flight, every "
+                    "one identical (prompt, budget, seed); prints a table per level and a verdict.")
+    parser.add_argument("--target", required=True, type=flag_type(parse_upstream_url), metavar="URL",
+                        help="base URL to send requests to: the proxy (or the server itself)")
+    parser.add_argument("--admin", type=flag_type(parse_upstream_url), default=None, metavar="URL",
+                        help="the proxy's admin URL: join each response with the proxy's record "
+                             "(without it, stop reasons come from the sweep's own parse)")
+    parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
+                        help="bearer token of the admin API (env LLM_DIAG_ADMIN_TOKEN)")
+    parser.add_argument("--model", required=True, help="the model name sent in every request")
+    parser.add_argument("--dialect", choices=SWEEP_DIALECTS, default="openai",
+                        help="openai: /v1/chat/completions (SSE); ollama: /api/chat (NDJSON); "
+                             "anthropic: /v1/messages; responses: /v1/responses (default openai)")
+    parser.add_argument("--warmup", type=flag_type(parse_non_negative_int), default=1,
+                        help="unrecorded requests sent first, so a model load is not measured (default 1)")
+    add_sweep_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def parse_non_negative_int(value: str) -> int:
+    number = parse_integer(value)
+    if number < 0:
+        raise ConfigError(f"invalid value {value!r}: must be 0 or more")
+    return number
+
+
+def plan_from_args(args: argparse.Namespace, target: str, admin: str | None, model: str,
+                   dialect: str = "openai") -> SweepPlan:
+    return SweepPlan(target=target, admin=admin, admin_token=getattr(args, "admin_token", None),
+                     levels=args.levels, repeats=args.repeats, prompt=args.prompt, max_tokens=args.max_tokens,
+                     seed=args.seed, temperature=args.temperature, model=model,
+                     dialect=cast(SweepDialect, dialect if dialect in SWEEP_DIALECTS else "openai"),
+                     timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1))
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args, args.target, args.admin, args.model, args.dialect)
+    outcome = asyncio.run(execute(plan, out_dir=args.out_dir, report_path=args.report,
+                                  progress=not args.no_progress))
+    return exit_code(outcome.verdict, args.fail_on)

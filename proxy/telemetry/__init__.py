@@ -1,5 +1,0 @@
-"""Correlates every response with GPU memory (NVML) and the upstream server's own state."""
-
-from proxy.telemetry.service import Telemetry
-
-__all__ = ["Telemetry"]

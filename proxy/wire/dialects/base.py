@@ -1,0 +1,143 @@
+"""What a wire dialect is: its routes, what it reads from a request, and the events in its responses.
+
+A dialect module holds one wire format whole and ends with one `Dialect` value; the registry
+(`proxy.wire.dialects`) maps routes to them. Everything here is pure: JSON objects in, typed values out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.record import RequestInfo
+from proxy.wire.events import ErrorEvent, Event
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """One wire format, as the proxy reads it.
+
+    - `routes`: the request paths it serves (a path is matched exactly, without a trailing /);
+    - `read_request`: fills what the client asked for from the request's JSON object;
+    - `events`: the events in one JSON object of its responses (a streamed event, an NDJSON
+      line, or a whole non-streaming body); it may raise ValueError/TypeError on a shape it
+      cannot read, which the parser turns into a ParseError;
+    - `token_keys`, `reasoning_keys`: the fast path (proxy/wire/fast_tokens.py). The JSON keys, with their
+      value's opening quote (`b'"content":"'`), whose string is the text of a streamed event that
+      `events` reads as one visible (or reasoning) token; the shape of such an event is learned
+      per response and later events in that shape are counted without decoding.
+    - `streams_by_default`: what `stream` means when the request leaves it out.
+    """
+
+    name: str
+    routes: tuple[str, ...]
+    read_request: Callable[[dict[str, Any], RequestInfo], None]
+    events: Callable[[Any], list[Event]]
+    token_keys: tuple[bytes, ...] = ()
+    reasoning_keys: tuple[bytes, ...] = ()
+    streams_by_default: bool = False
+
+
+def as_int(value: Any) -> int | None:
+    """A JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def as_number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def positive_budget(value: Any) -> int | None:
+    """A budget in tokens; 0 or less (Ollama's -1 infinite, -2 fill context) means none fixed."""
+    number = as_int(value)
+    return number if number is not None and number > 0 else None
+
+
+def error_event(error: Any, *, overloaded_types: frozenset[str] = frozenset()) -> ErrorEvent:
+    """An `error` member, as an object (`message`, `type`/`code`) or a plain string."""
+    if isinstance(error, dict):
+        message = error.get("message")
+        kind = error.get("type") or error.get("code")
+        kind_text = None if kind is None else str(kind)
+        return ErrorEvent(str(message if message is not None else error)[:500], kind_text,
+                          overloaded=kind_text in overloaded_types)
+    return ErrorEvent(str(error)[:500])
+
+
+def expect_object(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    return obj
+
+
+def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[str, ...]) -> None:
+    """Model, sampling and the first budget field present: what most dialects read alike."""
+    model = obj.get("model")
+    info.model = model[:200] if isinstance(model, str) else None
+    for name in budget_fields:
+        if obj.get(name) is not None:
+            info.requested_max_tokens = positive_budget(obj.get(name))
+            break
+    info.seed = as_int(obj.get("seed"))
+    info.temperature = as_number(obj.get("temperature"))
+
+
+# Roles whose text a chat template renders as the client sent it. A system message is left out: some
+# templates fold it elsewhere or drop it, and an assistant turn may lose its thinking on the way in.
+_VERBATIM_ROLES = frozenset({"user", "tool"})
+
+
+def text_words(content: Any) -> int:
+    """Whitespace-separated words in a message's content: a string, or a list of parts with `text`
+    (OpenAI's and Anthropic's content parts, a tool result's content)."""
+    if isinstance(content, str):
+        return len(content.split())
+    if isinstance(content, list):
+        words = 0
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    words += len(text.split())
+                elif part.get("type") == "tool_result":
+                    words += text_words(part.get("content"))
+        return words
+    return 0
+
+
+def read_messages(messages: Any, info: RequestInfo) -> None:
+    """What a chat's messages say of its prompt: whether there is one, whether a user speaks in it,
+    and the words of the user's (and tools') turns.
+
+    The words are a lower bound on the prompt's tokens: a tokenizer never merges two words across
+    the whitespace between them (GPT-2-style pre-tokenizers split there, SentencePiece splits by
+    whitespace), so each word costs at least one token, and a template renders these turns whole.
+    """
+    if not isinstance(messages, list) or not messages:
+        return
+    info.has_prompt = True
+    words = 0
+    user = False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        if role == "user":
+            user = True
+        if role in _VERBATIM_ROLES:
+            words += text_words(message.get("content"))
+    info.user_turn = user
+    info.prompt_words = words
+
+
+def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
+    """A completion's `prompt`: one string (its words bound its tokens from below), or something the
+    proxy does not count (a batch of prompts, token ids)."""
+    if isinstance(prompt, str):
+        info.has_prompt = bool(prompt)
+        info.prompt_words = len(prompt.split())
+    elif isinstance(prompt, list) and prompt:
+        info.has_prompt = True

@@ -1,0 +1,196 @@
+"""Plain token events told from their bytes: the parsers' fast path, exact by construction.
+
+Most events of a stream are one generated token in the same shape: vLLM's
+`{"id":...,"choices":[{"index":0,"delta":{"content":"<text>"},"logprobs":null,"finish_reason":null}]}`,
+with only `<text>` changing. Decoding each costs more than everything else the proxy does per
+event. So, per response, the first such event is decoded as usual and its shape is learned: the
+bytes before the token's string (`head`) and after it (`tail`). The shape is checked before it is
+used: the same bytes with the string emptied must decode to no token, so that string is the one
+the dialect reads. A later event whose bytes are `head`, a plain JSON string body and `tail` is then
+one token without decoding: the same JSON with another string, which the dialects read only for
+being empty or not.
+
+Some servers change one scalar before the token in every event (Ollama's `created_at`, the
+Responses API's `sequence_number`). When two learned shapes differ in exactly one such scalar,
+the shape keeps a hole there, checked the same way (another value must decode alike).
+
+A string body is plain when it holds no quote, no control byte, no escape other than
+`\\n \\t \\" \\\\ \\/ \\b \\f \\r`, and is valid UTF-8: then the event is valid JSON exactly when the
+learned one was. Anything else is decoded, so records are the same with and without this path
+(tests/test_fast_path.py compares them over random streams and cuts).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event
+
+Interpret = Callable[[Any], list[Event]]
+
+_STRING_BODY = re.compile(rb'(?:[^"\\]|\\.)*', re.DOTALL)  # up to the closing quote of a JSON string
+UNSAFE = re.compile(rb'["\\\x00-\x1f]')  # a body without these is a plain JSON string body
+_ESCAPED_BODY = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*')
+_NUMBER = re.compile(rb'-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
+_PLAIN_SCALAR = re.compile(rb'[^"\\\x00-\x1f]*')  # a string hole's body: no escapes at all
+NOT_PLAIN, EMPTY, VISIBLE, REASONING = -1, 0, 1, 2  # what `PlainTokens.count` says of an event
+EVENTS: dict[int, list[Event]] = {EMPTY: [], VISIBLE: [ONE_TOKEN], REASONING: [ONE_REASONING_TOKEN]}
+MAX_LEARNED = 64  # shapes learned per response; past it (a shape that never repeats) all is decoded
+
+
+def _body_is_plain(data: bytes, start: int, end: int) -> bool:
+    """data[start:end] is a JSON string body that needs no decoding to be judged valid, and the
+    whole event valid UTF-8 (a hole's bytes included)."""
+    if UNSAFE.search(data, start, end) is not None and _ESCAPED_BODY.fullmatch(data, start, end) is None:
+        return False
+    if data.isascii():
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class Shape:
+    """One learned event shape: `head_a` [hole] `head_b` "token" `tail`."""
+
+    __slots__ = ("count", "head_a", "head_b", "hole", "tail")
+
+    def __init__(self, head: bytes, tail: bytes, count: int) -> None:
+        self.head_a = head
+        self.hole: bytes | None = None  # b"n" a number, b"s" a string body, None no hole
+        self.head_b = b""
+        self.tail = tail
+        self.count = count  # VISIBLE or REASONING: what one non-empty token string makes
+
+    def match(self, data: bytes) -> int | None:
+        """`count` for a non-empty plain token, 0 for an empty one, None when the bytes are not this shape."""
+        if not data.startswith(self.head_a) or not data.endswith(self.tail):
+            return None
+        start = len(self.head_a)
+        if self.hole is not None:
+            found = (_NUMBER if self.hole == b"n" else _PLAIN_SCALAR).match(data, start)
+            if found is None:
+                return None
+            start = found.end()
+            if not data.startswith(self.head_b, start):  # for a string, head_b opens with its closing quote
+                return None
+            start += len(self.head_b)
+        end = len(data) - len(self.tail)
+        if end < start or not _body_is_plain(data, start, end):
+            return None
+        return self.count if end > start else EMPTY
+
+
+def _token_string(data: bytes, keys: tuple[bytes, ...]) -> tuple[int, int] | None:
+    """Where the string after the one key of `keys` present exactly once starts and ends."""
+    for key in keys:
+        at = data.find(key)
+        if at < 0 or data.find(key, at + 1) >= 0:
+            continue
+        start = at + len(key)
+        end = _STRING_BODY.match(data, start)
+        if end is not None and data[end.end():end.end() + 1] == b'"':
+            return start, end.end()
+    return None
+
+
+class PlainTokens:
+    """The learned shapes of one response, and the test an event's bytes are put to."""
+
+    __slots__ = ("_interpret", "_keys", "_learned", "_reasoning_keys", "shapes")
+
+    def __init__(self, interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...]) -> None:
+        self._interpret = interpret
+        self._keys = keys
+        self._reasoning_keys = reasoning_keys
+        self._learned = 0
+        self.shapes: list[Shape] = []  # at most one for visible tokens and one for reasoning
+
+    def inline(self, prefix: bytes) -> tuple[bytes, bytes, int] | None:
+        """(prefix + head, tail, kind) of the one shape without a hole, for callers that test
+        whole ASCII blocks themselves (a body then needs only the UNSAFE search); else None."""
+        if len(self.shapes) != 1 or self.shapes[0].hole is not None:
+            return None
+        shape = self.shapes[0]
+        return prefix + shape.head_a, shape.tail, shape.count
+
+    def count(self, data: bytes) -> int:
+        """VISIBLE or REASONING for one plain token, EMPTY for an empty one, NOT_PLAIN: decode it."""
+        for shape in self.shapes:
+            found = shape.match(data)
+            if found is not None:
+                return found
+        return NOT_PLAIN
+
+    def decoded(self, data: bytes, events: list[Event]) -> None:
+        """An event was decoded into `events`: learn its shape when it is one plain token."""
+        if len(events) != 1 or self._learned >= MAX_LEARNED:
+            return
+        event = events[0]
+        if event is ONE_TOKEN:
+            keys, kind = self._keys, VISIBLE
+        elif event is ONE_REASONING_TOKEN:
+            keys, kind = self._reasoning_keys, REASONING
+        else:
+            return
+        span = _token_string(data, keys)
+        if span is None:
+            return
+        self._learned += 1
+        head, tail = data[:span[0]], data[span[1]:]
+        if not self._checks(head, tail, event):
+            return
+        shape = Shape(head, tail, kind)
+        old = next((s for s in self.shapes if s.count == kind), None)
+        if old is not None:
+            self.shapes.remove(old)
+            shape = self._with_hole(old, shape) or shape
+        self.shapes.append(shape)
+
+    def _decodes_to(self, data: bytes) -> list[Event] | None:
+        try:
+            return self._interpret(orjson.loads(data))
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+    def _checks(self, head: bytes, tail: bytes, event: Event) -> bool:
+        """The token string decides: the learned event (a non-empty string) made `event`, and the
+        same bytes with the string emptied make none. One decode per shape learned."""
+        del event
+        return self._decodes_to(head + tail) == []
+
+    def _with_hole(self, old: Shape, new: Shape) -> Shape | None:
+        """When two shapes differ in one scalar of their heads only: one shape with a hole there."""
+        if old.hole is not None or old.tail != new.tail:
+            return None
+        a, b = old.head_a, new.head_a
+        same = 0
+        limit = min(len(a), len(b))
+        while same < limit and a[same] == b[same]:
+            same += 1
+        colon = b.rfind(b'":', 0, same + 1)  # the end of the key whose value holds the difference
+        if colon < 0 or same == limit:
+            return None
+        start = colon + 2
+        if b[start:start + 1] == b'"':  # a string: the hole is its body
+            start += 1
+            kind, pattern = b"s", _PLAIN_SCALAR
+        else:
+            kind, pattern = b"n", _NUMBER
+        found_a, found_b = pattern.match(a, start), pattern.match(b, start)
+        if found_a is None or found_b is None or a[found_a.end():] != b[found_b.end():]:
+            return None
+        if a[:start] != b[:start]:
+            return None
+        shape = Shape(b[:start], new.tail, new.count)
+        shape.hole, shape.head_b = kind, b[found_b.end():]
+        other = b"0" if kind == b"n" else b""
+        if self._decodes_to(shape.head_a + other + shape.head_b + b"x" + shape.tail) != EVENTS[new.count]:
+            return None
+        return shape

@@ -1,0 +1,130 @@
+"""The folders are the architecture: imports run one way (serve -> relay / sweep -> diagnosis ->
+wire / observers -> record / config), with no circle, drawn here from the code's own imports."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "proxy"
+LEAVES = {"proxy", "record", "config", "processes"}  # `proxy` itself: its __init__ (the version)
+ALLOWED: dict[str, set[str]] = {
+    "record": set(), "config": set(), "processes": set(),
+    "wire": {"record", "config", "processes"},
+    "observers": {"record", "config", "processes", "wire"},
+    "diagnosis": {"record", "config", "processes", "wire", "observers"},
+    "relay": {"record", "config", "processes", "wire", "observers", "diagnosis"},
+    "sweep": {"record", "config", "processes", "wire", "observers", "diagnosis"},
+    "simulator": {"config"},
+    "serve": {"record", "config", "processes", "wire", "observers", "diagnosis", "relay", "sweep", "simulator"},
+    "__main__": {"serve"},
+}
+# What the relay must know nothing of (DEVELOPERS.md): metrics, NVML, dialects, classification.
+RELAY_MUST_NOT = ("prometheus_client", "pynvml", "proxy.wire.dialects", "proxy.diagnosis.classify",
+                  "proxy.observers.metrics", "proxy.observers.telemetry")
+
+
+def modules() -> Iterator[tuple[str, Path]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        yield ".".join(parts), path
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function (a late import is an import)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "proxy"
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {m for m in imports_of(path) if m.split(".")[0] == "proxy" and m != name}
+            for name, path in modules()}
+
+
+def test_imports_run_one_way_between_the_folders() -> None:
+    wrong = []
+    for module, targets in graph().items():
+        own = layer(module)
+        for target in targets:
+            theirs = layer(target)
+            if theirs != own and theirs != "proxy" and theirs not in ALLOWED[own]:
+                wrong.append(f"{module} imports {target} ({own} -> {theirs})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_there_is_no_import_circle() -> None:
+    edges = graph()
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges.get(node, ()):
+            if target not in edges:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    assert circles == []
+
+
+def test_the_relay_knows_nothing_of_metrics_nvml_dialects_or_classification() -> None:
+    wrong = [f"{name} imports {target}" for name, path in modules() if layer(name) == "relay"
+             for target in imports_of(path) if target.startswith(RELAY_MUST_NOT)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_top_level_holds_at_most_ten_modules() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+    assert {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"} <= LEAVES
+
+
+def test_every_folder_says_what_it_owns_and_what_it_must_not_import() -> None:
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "must not import" in doc.lower(), f"{init.relative_to(ROOT)}: no word on what it must not import"
