@@ -106,6 +106,21 @@ class RequestInfo:
     n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
 
 
+@dataclass(frozen=True, slots=True)
+class ServerDuring:
+    """What the GPU and the server were doing while a response ran: an enricher's facts, written
+    into the record (its fields of the same names) by the diagnosis. None: no sample counted."""
+
+    gpu: str | None = None
+    vram_free_min_bytes: int | None = None
+    vram_used_max_bytes: int | None = None
+    upstream_running_max: float | None = None
+    upstream_waiting_max: float | None = None
+    kv_cache_usage_max: float | None = None
+    preemptions_during: float | None = None
+    preemptions_scope: str | None = None
+
+
 @dataclass(slots=True)
 class ResponseRecord:
     """Why one response ended, under how much concurrency, and how fast its tokens came.

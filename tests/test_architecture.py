@@ -128,3 +128,38 @@ def test_every_folder_says_what_it_owns_and_what_it_must_not_import() -> None:
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "must not import" in doc.lower(), f"{init.relative_to(ROOT)}: no word on what it must not import"
+
+
+def _record_writes(path: Path) -> Iterator[str]:
+    """Assignments to a record's fields: `<something named record>.<field> = ...`, a setattr on a
+    record, or an append to its notes."""
+    from proxy.record import RECORD_FIELDS
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets
+                       for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if (isinstance(target, ast.Attribute) and target.attr in RECORD_FIELDS
+                    and "rec" in ast.unparse(target.value).lower()):
+                yield f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(target)} = ..."
+        if isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called == "setattr" and node.args and "rec" in ast.unparse(node.args[0]).lower():
+                yield f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+            if called.endswith("observer_errors.append"):
+                yield f"{path.relative_to(ROOT)}:{node.lineno}: {called}(...)"
+
+
+def test_only_the_diagnosis_writes_a_record() -> None:
+    wrong = [write for name, path in modules() if layer(name) != "diagnosis" for write in _record_writes(path)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_writes_check_would_see_a_write() -> None:
+    writes = [w for name, path in modules() if layer(name) == "diagnosis" for w in _record_writes(path)]
+    assert any("recorder.py" in w for w in writes) and any("delivery.py" in w for w in writes)

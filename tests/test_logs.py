@@ -88,11 +88,11 @@ async def test_the_lines_of_one_loop_turn_are_flushed_once(stdout: _Stdout) -> N
 async def test_a_flush_that_failed_is_said_by_the_next_line_written(stdout: _Stdout) -> None:
     import asyncio
 
-    from proxy.observers.chain import ObserverChain
+    from proxy.diagnosis.delivery import Delivery
 
     stdout.buffer = _CountingBuffer(fail=True)
     logs.configure_logging("info", "json", stream=stdout)
-    chain = ObserverChain([logs.LogObserver("http://upstream")])
+    chain = Delivery([logs.LogObserver("http://upstream")])
     chain.response_finished(_record())
     await asyncio.sleep(0)  # the turn's flush fails
     stdout.buffer.fail = False
@@ -120,11 +120,11 @@ def test_the_timestamp_is_the_one_structlog_writes(epoch: float, monkeypatch: py
 def test_a_broken_stdout_never_breaks_the_observer_chain(stdout: _Stdout) -> None:
     """structlog's own lines raise on a broken stdout, the chain's warning among them: the chain
     goes on, and the record says what failed."""
-    from proxy.observers.chain import ObserverChain
+    from proxy.diagnosis.delivery import Delivery
 
     stdout.buffer = _CountingBuffer(fail=True)
     logs.configure_logging("info", "json", stream=stdout)
-    chain = ObserverChain([logs.LogObserver("http://upstream")])
+    chain = Delivery([logs.LogObserver("http://upstream")])
     record = _record()
     chain.response_finished(record)  # outside a loop: the line's own flush fails, then the warning's
     assert record.observer_errors and "stdout is gone" in record.observer_errors[0]

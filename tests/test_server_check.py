@@ -26,6 +26,7 @@ from proxy.diagnosis.server_check import (
     TokenizerUnavailable,
 )
 from proxy.diagnosis.server_reads import read_server_facts
+from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
 from proxy.serve.app import RunningProxy, start_proxy
 from proxy.wire.server_facts import ServerFacts, ServerInfo
@@ -108,7 +109,7 @@ async def test_a_budget_the_context_cut_is_a_server_limit_by_the_tokenizer(
 async def test_the_record_reaches_the_observers_once_with_its_final_cause(vllm: FakeVllm) -> None:
     seen: list[tuple[str | None, str | None]] = []
 
-    class Watcher:
+    class Watcher(Observer):
         def on_response(self, record: ResponseRecord) -> None:
             seen.append((record.length_cause, record.length_cause_source))
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.observers.telemetry.enricher import TelemetryObserver
+from proxy.diagnosis.delivery import Delivery
+from proxy.observers.telemetry.enricher import TelemetryEnricher
 from proxy.observers.telemetry.gpu import GpuProcess, GpuReading, GpuSnapshot
 from proxy.observers.telemetry.samples import SampleRing
 from proxy.observers.telemetry.server_metrics import UpstreamState
@@ -46,7 +47,7 @@ def upstream_ring(*samples: tuple[float, UpstreamState]) -> SampleRing[UpstreamS
 
 def observe(rec: ResponseRecord, gpus: SampleRing[GpuSnapshot] | None = None,
             upstream: SampleRing[UpstreamState] | None = None, pids: frozenset[int] = frozenset()) -> None:
-    TelemetryObserver(gpus, 1.0, upstream, 1.0, upstream_pids=lambda: pids).on_response(rec)
+    Delivery(enrichers=[TelemetryEnricher(gpus, 1.0, upstream, 1.0, upstream_pids=lambda: pids)]).response_finished(rec)
 
 
 def test_vram_tags_are_the_extremes_of_the_samples_inside_the_response() -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.config import ProxyConfig
+from proxy.diagnosis.delivery import Delivery
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.telemetry import Telemetry
 from proxy.record import ResponseRecord
@@ -59,7 +60,7 @@ async def test_records_are_attributed_to_the_gpu_running_the_upstream_process(
         latest = telemetry.gpu_ring.latest()
         assert latest is not None
         record = finished(latest[0] - 0.05, 0.05)
-        telemetry.observer.on_response(record)
+        Delivery(enrichers=[telemetry.enricher]).response_finished(record)
     finally:
         await telemetry.stop()
     assert record.gpu == "1"
@@ -87,7 +88,7 @@ async def test_intervals_of_zero_and_off_start_nothing_and_leave_records_alone(
     telemetry = Telemetry(config, metrics)
     await telemetry.start()
     record = finished(1000.0, 1.0)
-    telemetry.observer.on_response(record)
+    Delivery(enrichers=[telemetry.enricher]).response_finished(record)
     await telemetry.stop()
     assert telemetry._tasks == [] and fake_upstream.hits == []
     assert metrics.registry.get_sample_value("llm_proxy_gpu_telemetry_up") == 0

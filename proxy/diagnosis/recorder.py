@@ -209,6 +209,26 @@ class Recorder:
         """A deadline passed but was not enforced (observe mode)."""
         self._deadline_observed = kind
 
+    # --- what the relay did -----------------------------------------------------------------
+    def admitted(self, at_start: int, deadline_mode: Literal["observe", "enforce"] | None = None) -> None:
+        """Admitted with `at_start` generations in flight (itself included), under deadlines in
+        `deadline_mode` (None: no deadline set)."""
+        self.record.concurrency_at_start = at_start
+        self.record.deadline_mode = deadline_mode
+
+    def sent(self, retries: int) -> None:
+        """The request went upstream, `retries` times again on another connection."""
+        self.record.upstream_retries = retries
+
+    def upstream_named(self, request_id: str) -> None:
+        """The upstream answered with an `X-Request-Id` of its own (kept beside the proxy's)."""
+        if request_id != self.record.request_id:
+            self.record.upstream_request_id = request_id[:128]
+
+    def known_as(self, request_id: str) -> None:
+        """The exchange's id is this one after all (the sweep: the id the proxy answered with)."""
+        self.record.request_id = request_id
+
     def concurrency(self, at_start: int, peak: int, mean: float) -> None:
         record = self.record
         record.concurrency_at_start, record.concurrency_peak, record.concurrency_mean = at_start, peak, mean

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import structlog
 
+from proxy.observers.hooks import Observer
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord, concurrency_bucket, record_from_dict
 
@@ -91,7 +92,7 @@ def _connect(path: str) -> sqlite3.Connection:
     return connection
 
 
-class History:
+class History(Observer):
     """The writer (an observer) and the reader of one history database."""
 
     def __init__(self, path: str, *, max_age_s: float, max_bytes: int, metrics: Any = None,

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import structlog
 
+from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -114,7 +115,7 @@ _now_iso = _Clock().now_iso
 
 
 # Fields of a record that are logged; no prompt or completion text is ever in a record.
-class LogObserver:
+class LogObserver(Observer):
     """Writes `event="response"` with the record's fields as flat keys.
 
     With JSON logs the line is made here, key for key what structlog's chain would write (bound

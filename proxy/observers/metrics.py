@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.observers.hooks import Observer
 from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord, concurrency_bucket
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
@@ -211,7 +212,7 @@ class ProxyMetrics:
         return child
 
 
-class MetricsObserver:
+class MetricsObserver(Observer):
     """Turns each finished record into metric updates."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:

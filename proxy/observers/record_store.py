@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord, concurrency_bucket
 
 DEFAULT_PAGE = 100
@@ -47,7 +48,7 @@ class Page:
     next_cursor: int | None  # None: this was the last page
 
 
-class RecordStore:
+class RecordStore(Observer):
     """Keeps the last `capacity` records (an observer: it stores each finished record).
 
     Each record gets a sequence number as it is stored; a cursor is one, so pages stay put while

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -93,7 +94,7 @@ def attributes_of(record: ResponseRecord, upstream: str) -> dict[str, Any]:
     return found
 
 
-class Tracer:
+class Tracer(Observer):
     """The observer: records in, spans out, on a thread of its own."""
 
     def __init__(self, upstream: str, metrics: Any = None, *, exporter: Any = None) -> None:

@@ -25,9 +25,9 @@ from aiohttp.http import HttpVersion10, StreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.config import ProxyConfig
+from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.recorder import ParseLimits, Recorder
 from proxy.diagnosis.server_check import ServerCheck
-from proxy.observers.chain import ObserverChain
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import Refusal, only_chunked, request_refusal, trailer_section
 from proxy.relay.in_flight import InFlightTracker
@@ -148,7 +148,7 @@ _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
-    def __init__(self, config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+    def __init__(self, config: ProxyConfig, observers: Delivery, concurrency: InFlightTracker,
                  budget: ByteBudget, check: ServerCheck | None = None,
                  on_refused: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
@@ -187,11 +187,9 @@ class Forwarder:
         tracker = self.concurrency
         slot = tracker.admit() if recorder.inference else None
         at_start = slot.at_start if slot is not None else tracker.in_flight
-        recorder.record.concurrency_at_start = at_start
         config = self.config
         deadlines = Deadlines(started, config.deadline_s, config.idle_timeout_s, config.deadline_mode == "enforce")
-        if config.deadline_s or config.idle_timeout_s:
-            recorder.record.deadline_mode = config.deadline_mode
+        recorder.admitted(at_start, config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
         if self.shutting_down:
             deadlines.shutdown()
         exchange = _Exchange(self, request, recorder, deadlines)
@@ -309,7 +307,7 @@ class _Exchange:
         try:
             return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count)
         finally:
-            self.recorder.record.upstream_retries = count.retries
+            self.recorder.sent(count.retries)
 
     def _answer(self, status: int, kind: str, message: str) -> web.Response:
         """The proxy's own JSON answer, for when the upstream gave none."""
@@ -324,8 +322,8 @@ class _Exchange:
         theirs = response.headers.get(REQUEST_ID)
         if theirs is None:
             response.headers[REQUEST_ID] = record.request_id
-        elif theirs != record.request_id:
-            record.upstream_request_id = theirs[:128]
+        else:
+            self.recorder.upstream_named(theirs)
         response.headers[CONCURRENCY] = str(record.concurrency_at_start)
 
     async def _relay(self, upstream: UpstreamResponse) -> web.StreamResponse:

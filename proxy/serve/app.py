@@ -14,9 +14,10 @@ import structlog
 from aiohttp import web
 
 from proxy.config import ProxyConfig
+from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.server_check import ServerCheck
-from proxy.observers.chain import ObserverChain
 from proxy.observers.history import History
+from proxy.observers.hooks import Observer
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import RecordStore
 from proxy.observers.telemetry import Telemetry
@@ -28,8 +29,8 @@ from proxy.serve.admin import UpstreamProbe, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.wiring import (
     RUNNER_SHUTDOWN_S,
+    default_observers,
     drain,
-    exporting_chain,
     open_history,
     open_tracer,
     proxy_application,
@@ -53,7 +54,7 @@ class RunningProxy:
     store: RecordStore
     metrics: ProxyMetrics
     concurrency: InFlightTracker
-    observers: ObserverChain
+    observers: Delivery
     forwarder: Forwarder
     _runners: list[web.BaseRunner] = field(default_factory=list)
     _proxy_site: web.TCPSite | None = None
@@ -98,7 +99,7 @@ class RunningProxy:
             await self._session.close()
 
 
-async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...] = (),
+async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
                       log_records: bool | None = None) -> RunningProxy:
     """Start both listeners (port 0 picks a free port) and return once they accept connections."""
     metrics = ProxyMetrics(max_models=config.max_models)
@@ -106,7 +107,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[object, ...
     telemetry = Telemetry(config, metrics)
     tracer = open_tracer(config, metrics)
     history = open_history(config, metrics)
-    chain = exporting_chain(config, metrics, telemetry, store, extra_observers=extra_observers,
+    chain = default_observers(config, metrics, telemetry, store, extra_observers=extra_observers,
                             log_records=log_records, history=history, tracer=tracer)
     session = upstream_session(config)
     concurrency = InFlightTracker()

@@ -14,9 +14,10 @@ import aiohttp
 import structlog
 
 from proxy.config import ProxyConfig
+from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.server_check import CheckLimits, ServerCheck, open_server_check
-from proxy.observers.chain import ObserverChain
 from proxy.observers.history import History
+from proxy.observers.hooks import Observer
 from proxy.observers.logs import LogObserver
 from proxy.observers.metrics import MetricsObserver, ProxyMetrics
 from proxy.observers.record_store import RecordStore
@@ -53,7 +54,7 @@ async def drain(forwarder: Forwarder, deadline: float, grace_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-def proxy_application(config: ProxyConfig, observers: ObserverChain, concurrency: InFlightTracker,
+def proxy_application(config: ProxyConfig, observers: Delivery, concurrency: InFlightTracker,
                       budget: ByteBudget, check: ServerCheck | None = None,
                       on_refused: Callable[[str], None] = lambda reason: None) -> Forwarder:
     """The forwarding path: its `handle` answers every request on the proxy port (see `listen`).
@@ -93,23 +94,17 @@ def open_tracer(config: ProxyConfig, metrics: ProxyMetrics) -> Tracer | None:
     return Tracer(config.upstream, metrics)
 
 
-def exporting_chain(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
-                    extra_observers: tuple[object, ...] = (), log_records: bool | None = None,
-                    history: History | None = None, tracer: Tracer | None = None) -> ObserverChain:
-    """The observers of finished records, in order: the telemetry enricher first (what it adds
-    is exported below), then metrics, the JSON log line, the record store and the history."""
-    chain = ObserverChain()
-    chain.add(telemetry.observer)
-    for observer in extra_observers:
-        chain.add(observer)
-    chain.add(MetricsObserver(metrics))
+def default_observers(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,
+                      extra_observers: tuple[Observer, ...] = (), log_records: bool | None = None,
+                      history: History | None = None, tracer: Tracer | None = None) -> Delivery:
+    """The chain, declared in one list: the telemetry's enricher first (its facts reach every
+    exporter), then metrics, the JSON log line, the record store, the history and the spans."""
+    observers: list[Observer] = [*extra_observers, MetricsObserver(metrics)]
     if config.log_records if log_records is None else log_records:
-        chain.add(LogObserver(config.upstream))
-    chain.add(store)
-    for exporter in (history, tracer):
-        if exporter is not None:
-            chain.add(exporter)
-    return chain
+        observers.append(LogObserver(config.upstream))
+    observers.append(store)
+    observers.extend(exporter for exporter in (history, tracer) if exporter is not None)
+    return Delivery(observers, enrichers=[telemetry.enricher])
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

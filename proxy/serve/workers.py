@@ -40,7 +40,8 @@ import orjson
 import structlog
 
 from proxy.config import HostPort, ProxyConfig
-from proxy.observers.chain import ObserverChain
+from proxy.diagnosis.delivery import Delivery
+from proxy.observers.hooks import Observer
 from proxy.observers.logs import configure_logging
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import RecordStore
@@ -54,8 +55,8 @@ from proxy.serve.admin import UpstreamProbe, build_admin_app
 from proxy.serve.wiring import (
     END_WAIT_S,
     RUNNER_SHUTDOWN_S,
+    default_observers,
     drain,
-    exporting_chain,
     open_history,
     open_tracer,
     proxy_application,
@@ -94,7 +95,7 @@ class WorkerArgs:
         return self.index + 1
 
 
-class RecordSender:
+class RecordSender(Observer):
     """The worker's one observer: each finished record, and each refused request, to the supervisor.
 
     It keeps its ledger in shared memory, written by this worker alone: the exchanges begun whose
@@ -159,7 +160,7 @@ async def _worker(args: WorkerArgs) -> None:
     tracker = InFlightTracker(counts=args.counts, owner=args.owner)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
     check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
-    forwarder = proxy_application(config, ObserverChain([sender]), tracker, budget, check, sender.refused)
+    forwarder = proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
@@ -249,7 +250,7 @@ class WorkerPool:
     back what a worker that died held (its in-flight requests, its parse budget) and counts the
     records it took with it."""
 
-    def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any, Any], chain: ObserverChain,
+    def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any, Any], chain: Delivery,
                  metrics: ProxyMetrics) -> None:
         self._context = multiprocessing.get_context("spawn")
         self._config = config
@@ -449,7 +450,7 @@ async def _supervise(config: ProxyConfig) -> int:
         print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
         return 2
     history = open_history(config, metrics)
-    chain = exporting_chain(config, metrics, telemetry, store, history=history, tracer=tracer)
+    chain = default_observers(config, metrics, telemetry, store, history=history, tracer=tracer)
     view = InFlightTracker(counts=counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=budget_state)
     metrics.read_state(in_flight=lambda: view.in_flight, parse_budget_used=lambda: budget.used,

@@ -126,7 +126,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
             async with session.post(plan.target + plan.path, data=body, headers=headers) as response:
                 status = response.status
                 request_id = response.headers.get(REQUEST_ID) or request_id
-                recorder.record.request_id = request_id
+                recorder.known_as(request_id)
                 # aiohttp has already undone any Content-Encoding, so the parser sees plain bytes.
                 recorder.response_head(status, response.headers.get("Content-Type", ""))
                 async for chunk in response.content.iter_any():

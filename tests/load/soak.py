@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from proxy.config import HostPort, ProxyConfig
+from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
 from proxy.serve.app import RunningProxy, start_proxy
 from tests.load.resources import FdCensus, fd_census, pending_tasks, raise_fd_limit, rss_bytes, settle_memory
@@ -146,7 +147,7 @@ class ErrorLogCounter(logging.Handler):
         self.into.append(f"{record.name}: {record.getMessage()}{detail}"[:200])
 
 
-class RecordCounter:
+class RecordCounter(Observer):
     """An observer that keeps each finished record until its worker checks it.
 
     Request ids are `PHASE-WORKER-N` and each worker checks its requests in order, so a second

@@ -1,7 +1,8 @@
-"""Writes into each finished record what the GPU and the upstream looked like while it ran.
+"""What the GPU and the upstream looked like while a response ran, from the pollers' rings.
 
-An enricher: it runs before the exporters, so its fields reach the metrics, the log and the
-record store. It only reads the rings (bisect, then the samples of the window): no I/O.
+An enricher: the diagnosis writes its facts into the record before the exporters run, so they
+reach the metrics, the log and the record store. It only reads the rings (bisect, then the
+samples of the window): no I/O.
 
 The server's own figures (running, waiting, KV usage, preemptions) describe a request only from
 samples taken inside its life, and only when the server took the request on: a request it
@@ -13,11 +14,12 @@ before it (see proxy.observers.telemetry.samples).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 from proxy.observers.telemetry.gpu import GpuReading, GpuSnapshot, attributed_gpu
 from proxy.observers.telemetry.samples import SampleRing, counter_increase, max_of, min_of
 from proxy.observers.telemetry.server_metrics import UpstreamState
-from proxy.record import ResponseRecord
+from proxy.record import ResponseRecord, ServerDuring
 
 PREEMPTIONS_SCOPE = "server_wide"
 
@@ -32,11 +34,9 @@ def max_age_for(interval_s: float) -> float:
     return 2.0 * interval_s + 0.25
 
 
-class TelemetryObserver:
-    """Fills `gpu`, `vram_*`, `upstream_*_max`, `kv_cache_usage_max` and `preemptions_*`.
-
-    A field stays None when no sample counts for the response (see proxy.observers.telemetry.samples).
-    """
+class TelemetryEnricher:
+    """The facts `gpu`, `vram_*`, `upstream_*_max`, `kv_cache_usage_max` and `preemptions_*` of a
+    response. A fact stays None when no sample counts for the response (see .samples)."""
 
     def __init__(self, gpu_ring: SampleRing[GpuSnapshot] | None, gpu_interval_s: float,
                  upstream_ring: SampleRing[UpstreamState] | None, upstream_interval_s: float,
@@ -47,46 +47,46 @@ class TelemetryObserver:
         self.upstream_max_age = max_age_for(upstream_interval_s)
         self.upstream_pids = upstream_pids
 
-    def on_response(self, record: ResponseRecord) -> None:
+    def facts_for(self, record: ResponseRecord) -> ServerDuring | None:
         t0 = record.started_at
         t1 = t0 + max(record.duration_s, 0.0)
-        if self.gpu_ring is not None:
-            self._fill_gpu(record, t0, t1)
-        if self.upstream_ring is not None and _ran_upstream(record):
-            self._fill_upstream(record, t0, t1)
+        gpu = self._gpu(t0, t1) if self.gpu_ring is not None else {}
+        upstream = self._upstream(t0, t1) if self.upstream_ring is not None and _ran_upstream(record) else {}
+        return ServerDuring(**gpu, **upstream) if gpu or upstream else None
 
-    def _fill_gpu(self, record: ResponseRecord, t0: float, t1: float) -> None:
+    def _gpu(self, t0: float, t1: float) -> dict[str, Any]:
         assert self.gpu_ring is not None
         window = self.gpu_ring.window(t0, t1, self.gpu_max_age)
         if not window:
-            return
+            return {}
         chosen = attributed_gpu(window[-1][1].gpus, self.upstream_pids())
         if chosen is None:
-            return
+            return {}
         readings: list[GpuReading] = [g for _, snap in window for g in snap.gpus if g.uuid == chosen.uuid]
-        record.gpu = str(chosen.index)
         free = min_of(g.free_bytes for g in readings)
         used = max_of(g.used_bytes for g in readings)
-        record.vram_free_min_bytes = None if free is None else int(free)
-        record.vram_used_max_bytes = None if used is None else int(used)
+        return {"gpu": str(chosen.index), "vram_free_min_bytes": None if free is None else int(free),
+                "vram_used_max_bytes": None if used is None else int(used)}
 
-    def _fill_upstream(self, record: ResponseRecord, t0: float, t1: float) -> None:
+    def _upstream(self, t0: float, t1: float) -> dict[str, Any]:
         ring = self.upstream_ring
         assert ring is not None
+        found: dict[str, Any] = {}
         window = [state for _, state in ring.window(t0, t1, max_age=0.0)]  # inside its life only
         if window:
-            record.upstream_running_max = max_of(s.running for s in window)
-            record.upstream_waiting_max = max_of(s.waiting for s in window)
-            record.kv_cache_usage_max = max_of(s.kv_cache_usage for s in window)
+            found["upstream_running_max"] = max_of(s.running for s in window)
+            found["upstream_waiting_max"] = max_of(s.waiting for s in window)
+            found["kv_cache_usage_max"] = max_of(s.kv_cache_usage for s in window)
         # Preemptions: from the last sample at/before the start to the last one at/before
         # the end; only when the end sample was taken after the start, so something was seen.
         first = ring.index_at_or_before(t0)
         last = ring.index_at_or_before(t1)
         if first is None or last is None or last <= first:
-            return
+            return found
         if t0 - ring.stamp(first) > self.upstream_max_age:
-            return
+            return found
         increase = counter_increase(s.preemptions_total for _, s in ring.span(first, last))
         if increase is not None:
-            record.preemptions_during = increase
-            record.preemptions_scope = PREEMPTIONS_SCOPE
+            found["preemptions_during"] = increase
+            found["preemptions_scope"] = PREEMPTIONS_SCOPE
+        return found

@@ -1,4 +1,4 @@
-"""Starts and stops the telemetry pollers and hands out the observer that reads their rings."""
+"""Starts and stops the telemetry pollers and hands out the enricher that reads their rings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import structlog
 
 from proxy.config import ProxyConfig
 from proxy.observers.metrics import ProxyMetrics
-from proxy.observers.telemetry.enricher import TelemetryObserver
+from proxy.observers.telemetry.enricher import TelemetryEnricher
 from proxy.observers.telemetry.gpu import GpuPoller, GpuSnapshot, NvmlReader
 from proxy.observers.telemetry.pids import local_port, upstream_pids
 from proxy.observers.telemetry.samples import SampleRing, capacity_for
@@ -51,14 +51,14 @@ class Telemetry:
             self.upstream_ring = SampleRing(capacity_for(config.upstream_metrics_interval_s))
         else:
             UpstreamSeries(metrics).unknown()  # not read: NaN, not a 0 that looks like a reading
-        self._observer = TelemetryObserver(
+        self._enricher = TelemetryEnricher(
             self.gpu_ring, config.gpu_poll_interval_s, self.upstream_ring, config.upstream_metrics_interval_s,
             upstream_pids=lambda: self._upstream_pids)
 
     @property
-    def observer(self) -> TelemetryObserver:
-        """The enricher to put before the exporters in the proxy's ObserverChain."""
-        return self._observer
+    def enricher(self) -> TelemetryEnricher:
+        """The enricher that reads the pollers' rings, first in the proxy's chain."""
+        return self._enricher
 
     async def start(self) -> None:
         if self.gpu_poller is not None:

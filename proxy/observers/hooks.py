@@ -1,0 +1,44 @@
+"""The hooks through which finished records reach the observers, declared once.
+
+The forwarding path knows nothing of Prometheus, NVML, logs or history: the diagnosis's Delivery
+calls these hooks on the chain that `serve.wiring.default_observers` declares in one list,
+enrichers first. An observer reads a record and never writes it; an enricher returns facts,
+which the diagnosis writes into the record before the observers see it.
+
+- `on_response_start(record)`: the request was admitted, before its body is read; the record
+  holds its identity only (the id, the method, the path, the concurrency at admission). Most
+  observers need only the end: subclass `Observer` and the start costs nothing.
+- `on_response(record)`: the response ended and was classified, enrichers' facts in it.
+- `facts_for(record)`: what an enricher knows of the response that the wire did not say.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proxy.record import ResponseRecord, ServerDuring
+
+
+class Observer(Protocol):
+    """One job with each finished record (metrics, the log line, the store, history, spans)."""
+
+    def on_response_start(self, record: ResponseRecord) -> None:
+        """The request was admitted (no-op unless an observer needs it)."""
+        return None
+
+    def on_response(self, record: ResponseRecord) -> None:
+        """The response ended and was classified."""
+        ...
+
+
+class Enricher(Protocol):
+    """Knows what the GPU and the server were doing while a response ran."""
+
+    def facts_for(self, record: ResponseRecord) -> ServerDuring | None:
+        """The facts of the response's window (None: no sample counts for it)."""
+        ...
+
+
+def watches_starts(observer: Observer) -> bool:
+    """The observer has a start hook of its own (the default does nothing, and is not called)."""
+    return type(observer).on_response_start is not Observer.on_response_start
