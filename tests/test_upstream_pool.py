@@ -185,7 +185,7 @@ async def test_a_streamed_request_body_is_not_sent_twice(
 def test_an_idle_connection_the_peer_closed_is_readable_one_still_open_is_not() -> None:
     import socket
 
-    from proxy.relay.upstream.pool import readable
+    from proxy.relay.upstream.connection import readable
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())
@@ -226,7 +226,7 @@ async def test_a_pooled_connection_the_server_went_quiet_on_too_long_ago_is_not_
 def test_the_kernel_dates_the_last_byte_a_connection_received() -> None:
     import socket
 
-    from proxy.relay.upstream.pool import quiet_for
+    from proxy.relay.upstream.connection import quiet_for
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())

@@ -22,34 +22,32 @@ import orjson
 import structlog
 from aiohttp import web
 from aiohttp.http import HttpVersion10, StreamWriter
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from proxy.config import ProxyConfig
 from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.recorder import ParseLimits, Recorder
 from proxy.diagnosis.server_check import ServerCheck
 from proxy.relay.deadlines import Deadlines
-from proxy.relay.http1 import Refusal, only_chunked, request_refusal, trailer_section
+from proxy.relay.http1 import (
+    REQUEST_SKIP,
+    RESPONSE_SKIP,
+    Refusal,
+    end_to_end,
+    only_chunked,
+    request_refusal,
+    trailer_section,
+)
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.request_body import Outgoing, RequestBody
-from proxy.relay.upstream.pool import InvalidResponse, SendCount, UpstreamPool, UpstreamResponse, UpstreamUnreachable
+from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
+from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
 from proxy.wire.byte_budget import ByteBudget
 from proxy.wire.server_facts import UNKNOWN_SERVER
 
 _log = structlog.get_logger("llm_diag_proxy")
 REQUEST_ID = "X-Request-Id"
 CONCURRENCY = "X-LLM-Diag-Concurrency"
-# RFC 9110 section 7.6.1 hop-by-hop fields, plus the ones aiohttp computes itself. `Trailer` (which
-# fields a trailer section holds) is end to end: it goes with the trailers the proxy passes on.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailers", "transfer-encoding", "upgrade",
-})
-# `Expect: 100-continue` is answered by the proxy itself (it reads the body before it connects): sent
-# on, the upstream would wait for a body the proxy has already sent, or the client for a second 100.
-_REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
-
-_RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
@@ -79,20 +77,6 @@ def new_request_id(supplied: str | None) -> str:
     if supplied and _REQUEST_ID_OK.fullmatch(supplied):
         return supplied
     return _fresh_ids.next()
-
-
-def _filtered(headers: CIMultiDictProxy[str], skip: frozenset[str]) -> CIMultiDict[str]:
-    """`headers` less the `skip` fields and those the `Connection` field names (RFC 9110 7.6.1).
-    Copied whole, then pruned: most messages carry none of them."""
-    out = headers.copy()
-    connection = headers.get("Connection")
-    if connection is not None:
-        for token in connection.split(","):
-            out.popall(token.strip(), None)
-    for name in skip:
-        if name in out:
-            del out[name]
-    return out
 
 
 def error_body(kind: str, message: str, **extra: Any) -> bytes:
@@ -257,7 +241,7 @@ class _Exchange:
             recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
         recorder.request_body(body.held, body.note)
-        headers = _filtered(self.request.headers, _REQUEST_SKIP)
+        headers = end_to_end(self.request.headers, REQUEST_SKIP)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.
         headers[REQUEST_ID] = recorder.record.request_id
@@ -299,7 +283,7 @@ class _Exchange:
         """Send the request once; the record counts a send again.
 
         A pooled connection the server closed while idle is never written on (see
-        `upstream_client.UpstreamPool`). One that dies under a request anyway may have carried it
+        `relay.upstream.pool`). One that dies under a request anyway may have carried it
         to the server: an idempotent request with a held body goes once more on another
         connection, and a POST never, so a server never generates twice.
         """
@@ -335,7 +319,7 @@ class _Exchange:
             recorder.no_answer("reset", detail, 502)
             return self._answer(502, "upstream_invalid_response", detail)
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
-                                   headers=_filtered(upstream.headers, _RESPONSE_SKIP))
+                                   headers=end_to_end(upstream.headers, RESPONSE_SKIP))
         response.added = frozenset(name for name in _ADDED_BY_AIOHTTP if name not in upstream.headers)
         length = upstream.content_length
         chunked = coding is not None

@@ -2,14 +2,28 @@
 
 What a reverse proxy may pass on and what it must refuse: a request it cannot forward as sent (a
 tunnel, a request line without a version, a transfer coding it does not relay), a response it must
-not relay (an upgrade nobody asked for, a transfer coding it would lose), and the trailer section
-of a chunked body, which it passes on as it came.
+not relay (an upgrade nobody asked for, a transfer coding it would lose), the hop-by-hop fields
+each hop sets for itself, the request head as it goes on the wire, chunked framing, and the
+trailer section of a chunked body, which it passes on as it came.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# RFC 9110 section 7.6.1 hop-by-hop fields, plus the ones aiohttp computes itself. `Trailer` (which
+# fields a trailer section holds) is end to end: it goes with the trailers the proxy passes on.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailers", "transfer-encoding", "upgrade",
+})
+# `Expect: 100-continue` is answered by the proxy itself (it reads the body before it connects): sent
+# on, the upstream would wait for a body the proxy has already sent, or the client for a second 100.
+REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
+RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 
 # A field line of a trailer section: a token, a colon, a value without CR, LF or NUL (RFC 9110 5.1, 5.5).
 _FIELD_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*")
@@ -58,6 +72,40 @@ def request_refusal(method: str, version: tuple[int, int], target: str,
     if target == "*" and method != "OPTIONS":
         return Refusal(400, "bad_request", "the asterisk-form target is only for OPTIONS", "bad_request_line")
     return None
+
+
+def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str], skip: frozenset[str]) -> CIMultiDict[str]:
+    """`headers` less the `skip` fields and those the `Connection` field names (RFC 9110 7.6.1).
+    Copied whole, then pruned: most messages carry none of them."""
+    out = headers.copy()
+    connection = headers.get("Connection")
+    if connection is not None:
+        for token in connection.split(","):
+            out.popall(token.strip(), None)
+    for name in skip:
+        if name in out:
+            del out[name]
+    return out
+
+
+def request_head(method: str, target: str, authority: str, headers: CIMultiDict[str]) -> bytes:
+    """The request line and header block, as they go on the wire: `Host` first, then the rest in
+    the client's order. Values came through aiohttp's server parser (no CR or LF); bytes that are
+    not UTF-8 pass as they came (surrogateescape)."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+def chunk(piece: bytes | bytearray | memoryview) -> bytes:
+    """One piece of a body as a chunk (RFC 9112 7.1): its size in hex, CRLF, the bytes, CRLF."""
+    return b"%x\r\n" % len(piece) + bytes(piece) + b"\r\n"
+
+
+def last_chunk() -> bytes:
+    """The end of a chunked body with no trailer fields."""
+    return b"0\r\n\r\n"
 
 
 def upstream_target(prefix: str, target: str) -> str:

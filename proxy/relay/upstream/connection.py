@@ -1,0 +1,166 @@
+"""One HTTP/1.1 connection to the upstream, and everything its pool needs to know of it.
+
+The connection reads answers with aiohttp's own response protocol and parser (llhttp): the same
+framing, limits and errors as aiohttp's client. It keeps its own state, as httpcore's connection
+does, and answers the pool's questions itself: whether it can carry a request now
+(`is_available`), whether it should be closed (`has_expired`), how long the server has been
+quiet on it (`quiet_for`, the kernel's clock).
+
+That look cannot see a close still on its way. llama-server closes its connection after every
+streamed response despite `Keep-Alive`, a few milliseconds after the last byte: a request written
+in between would be lost. So a connection that carried a streamed answer rests SETTLE_S after its
+release before it is available again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp.client_exceptions import ClientOSError
+from aiohttp.client_proto import ResponseHandler
+
+from proxy.relay.http1 import chunk, last_chunk
+
+# llama-server's close came 1-2 ms after the last byte of a stream on an idle machine (a request
+# sent into that window got no answer in 11 of 100 tries); a wide margin for a loaded one.
+SETTLE_S = 0.25
+READ_BUFSIZE = 1 << 16  # aiohttp's client default
+
+# struct tcp_info (linux/tcp.h): tcpi_last_data_recv, milliseconds since the kernel last received
+# data on the socket, is the eighth __u32 after the eight one-byte fields.
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_LAST_DATA_RECV = struct.Struct("=I")
+_LAST_DATA_RECV_AT = 52
+
+
+class UpstreamUnreachable(Exception):
+    """No connection to the upstream could be opened; `os_error` says why."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class InvalidResponse(Exception):
+    """The upstream's response head is not valid HTTP; `message` is the parser's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def quiet_for(sock: Any) -> float | None:
+    """Seconds since the server's last byte reached this machine's kernel on `sock`, or None where
+    the kernel does not say (not Linux).
+
+    The pool's own clock starts when the response's end was parsed: on a busy event loop that can
+    be long after the server sent it. The server's keep-alive timer (uvicorn's 5 s in vLLM)
+    started at its last byte, and so does this figure."""
+    if _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV_AT + 4)
+    except OSError:
+        return None
+    if len(info) < _LAST_DATA_RECV_AT + 4:
+        return None
+    return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0]) / 1000.0
+
+
+def readable(fd: int) -> bool:
+    """The descriptor has something to read (data, a FIN, an error) right now."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+class Connection(ResponseHandler):
+    """aiohttp's response protocol, with the state of its connection: the socket (for the liveness
+    look), which kind of answer its parser reads, the bytes of the current answer, and when it was
+    released and may carry the next request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.sock: Any = None
+        self.parses_head: bool | None = None  # None: no parser yet
+        self.received = 0  # bytes of the current answer that have come: a request is sent again only at 0
+        self.streamed = False  # the current answer had no length: the server may close after it
+        self.released_at = 0.0  # monotonic, when its last answer ended
+        self._last: tuple[bytes, bytes] = (b"", b"")  # the last two reads, as they came (a chunked end)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.sock = transport.get_extra_info("socket")
+
+    def data_received(self, data: bytes) -> None:
+        if data:  # aiohttp calls it with nothing to resume a paused read
+            self.received += len(data)
+            self._last = (self._last[1], data)
+        super().data_received(data)
+
+    def raw_tail(self) -> bytes:
+        """The last bytes that came, as they came: the end of a chunked body, with its trailer section."""
+        return self._last[0] + self._last[1]
+
+    def expect_answer(self, head: bool) -> None:
+        """Ready the parser for the answer to the request about to be written. aiohttp makes a
+        new parser per request; llhttp reads one answer after another on a keep-alive
+        connection, so one is made again only when the kind of answer changes."""
+        self.received = 0
+        self.streamed = False
+        self._last = (b"", b"")
+        if self.parses_head is head:
+            return
+        self.parses_head = head
+        self.set_response_params(skip_payload=head, read_until_eof=True, auto_decompress=False,
+                                 read_bufsize=READ_BUFSIZE)
+
+    # --- the pool's questions ------------------------------------------------------------------
+    def released(self, now: float) -> None:
+        """Its answer ended at `now`."""
+        self.released_at = now
+
+    def is_settled(self, now: float) -> bool:
+        """Past the rest after a stream (SETTLE_S from its release; none after an answer with a
+        length). `streamed` may be said before or after the release: a short stream's end is often
+        parsed before the relay has read its head."""
+        return now >= self.released_at + (SETTLE_S if self.streamed else 0.0)
+
+    def has_expired(self, now: float, max_idle_s: float) -> bool:
+        """Closed, or idle past `max_idle_s` by the pool's clock: to be closed (no syscall)."""
+        return not self.is_connected() or now - self.released_at > max_idle_s
+
+    def is_available(self, now: float, max_idle_s: float) -> bool:
+        """Settled, open, and neither closed by the server nor quiet past `max_idle_s` by the kernel.
+
+        Closed: an idle HTTP/1.1 connection has nothing to read, so a readable socket means a FIN, a
+        reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
+        """
+        sock = self.sock
+        if (sock is None or self.should_close or not self.is_settled(now)  # (should_close: bytes of no request)
+                or self.has_expired(now, max_idle_s)):
+            return False
+        quiet = quiet_for(sock)
+        return (quiet is None or quiet <= max_idle_s) and not readable(sock.fileno())
+
+    # --- sending ---------------------------------------------------------------------------------
+    async def send_body(self, pieces: AsyncIterator[bytes | bytearray | memoryview], chunked: bool) -> None:
+        """Send a body as it comes (chunked when it has no length), waiting while the socket is full.
+        A failure ends the exchange: the answer's read raises it."""
+        transport = self.transport
+        try:
+            async for piece in pieces:
+                if not piece or transport is None or transport.is_closing():
+                    continue
+                transport.write(chunk(piece) if chunked else piece)
+                await self._drain_helper()
+            if chunked and transport is not None and not transport.is_closing():
+                transport.write(last_chunk())
+        except Exception as exc:  # the client's body broke off, or the upstream's connection
+            self.set_exception(ClientOSError(f"the request body could not be sent on: {exc!r}"[:300]))
+            self.close()

@@ -1,0 +1,43 @@
+"""A transport with no socket under it, for driving a protocol with bytes (as httpcore's mock
+stream does): what the protocol writes is kept, and the test feeds it what the peer sends."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class MockTransport(asyncio.Transport):
+    def __init__(self, sock: Any = None) -> None:
+        super().__init__()
+        self.sock = sock
+        self.written = bytearray()
+        self.closed = False
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else default
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def get_write_buffer_size(self) -> int:
+        return 0

@@ -1,0 +1,142 @@
+"""The upstream connection driven with bytes and no server: it parses answers as they come, keeps
+what the relay needs of them, and answers the pool's questions from its own state."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from aiohttp.client_exceptions import ClientOSError
+
+from proxy.relay.http1 import trailer_section
+from proxy.relay.upstream.connection import SETTLE_S, Connection
+from tests.support.mock_transport import MockTransport
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def connected(sock: socket.socket | None = None) -> tuple[Connection, MockTransport]:
+    connection = Connection(asyncio.get_running_loop())
+    transport = MockTransport(sock)
+    connection.connection_made(transport)
+    return connection, transport
+
+
+async def test_an_answer_fed_in_pieces_is_parsed_and_its_bytes_counted() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Request-Id: up-1\r\n\r\nhel")
+    connection.data_received(b"")  # aiohttp's nudge to resume a paused read: no bytes came
+    connection.data_received(b"lo")
+    message, payload = await connection.read()
+    assert (message.code, message.headers["X-Request-Id"]) == (200, "up-1")
+    assert await payload.read() == b"hello"
+    assert connection.received == len(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Request-Id: up-1\r\n\r\nhello")
+
+
+async def test_a_chunked_answer_leaves_its_trailer_section_as_it_came() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n5\r\nhello\r\n")
+    connection.data_received(b"0\r\nX-Sum: 42\r\n\r\n")
+    _, payload = await connection.read()
+    assert await payload.read() == b"hello"
+    assert trailer_section(connection.raw_tail()) == b"X-Sum: 42\r\n"
+
+
+async def test_an_answer_to_head_has_no_body_whatever_its_length_says() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=True)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+    message, payload = await connection.read()
+    assert message.code == 200 and await payload.read() == b""
+
+
+async def test_the_next_answer_starts_the_count_again() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 204 No Content\r\n\r\n")
+    await connection.read()
+    connection.expect_answer(head=False)
+    assert (connection.received, connection.raw_tail(), connection.streamed) == (0, b"", False)
+
+
+async def test_a_connection_that_carried_a_stream_rests_before_it_is_available(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    connection, _ = connected(pair[0])
+    connection.streamed = True
+    connection.released(100.0)
+    assert not connection.is_settled(100.0) and not connection.is_available(100.0, 3.0)
+    assert connection.is_settled(100.0 + SETTLE_S) and connection.is_available(100.0 + SETTLE_S, 3.0)
+    connection.streamed = False
+    connection.released(200.0)  # an answer with a length: available at once
+    assert connection.is_available(200.0, 3.0)
+
+
+async def test_a_stream_whose_end_was_parsed_before_its_head_was_read_still_rests(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    connection, _ = connected(pair[0])
+    connection.released(100.0)  # a short stream: its end parsed, the connection back in the pool...
+    connection.streamed = True  # ...before the relay read the head and said it was a stream
+    assert not connection.is_available(100.1, 3.0) and connection.is_available(100.0 + SETTLE_S, 3.0)
+
+
+async def test_a_connection_the_server_closed_is_not_available(pair: tuple[socket.socket, socket.socket]) -> None:
+    connection, _ = connected(pair[0])
+    connection.released(10.0)
+    assert connection.is_available(10.0, 3.0)
+    pair[1].close()  # the server's FIN while the connection idles in the pool
+    assert not connection.is_available(10.0, 3.0)
+
+
+async def test_bytes_that_belong_to_no_request_make_a_connection_unavailable(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    connection, _ = connected(pair[0])
+    connection.released(10.0)
+    pair[1].send(b"HTTP/1.1 200 OK\r\n")
+    assert not connection.is_available(10.0, 3.0)
+
+
+async def test_a_connection_expires_past_the_idle_time_or_once_closed(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    connection, transport = connected(pair[0])
+    connection.released(50.0)
+    assert not connection.has_expired(53.0, 3.0) and connection.has_expired(53.1, 3.0)
+    assert not connection.is_available(53.1, 3.0)
+    transport.close()
+    assert connection.has_expired(50.0, 3.0)
+
+
+async def test_a_body_without_a_length_goes_chunked_and_ends_with_the_last_chunk() -> None:
+    connection, transport = connected()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for piece in (b'{"model":', b"", b'"m"}'):
+            yield piece
+
+    await connection.send_body(pieces(), chunked=True)
+    assert bytes(transport.written) == b'9\r\n{"model":\r\n4\r\n"m"}\r\n0\r\n\r\n'
+
+
+async def test_a_body_that_breaks_off_fails_the_exchange_and_closes_the_connection() -> None:
+    connection, transport = connected()
+    connection.expect_answer(head=False)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"part"
+        raise ConnectionResetError("the client went away")
+
+    answer = asyncio.ensure_future(connection.read())  # the pool waits for the answer as the body goes
+    await asyncio.sleep(0)
+    await connection.send_body(pieces(), chunked=False)
+    assert bytes(transport.written) == b"part" and transport.closed
+    with pytest.raises(ClientOSError, match="could not be sent on"):
+        await answer
