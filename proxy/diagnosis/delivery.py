@@ -31,6 +31,13 @@ class Delivery:
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
         self._finishes = [(type(o).__name__, o) for o in chain]
 
+    def add(self, observer: Observer) -> None:
+        """One more observer, last in the chain."""
+        name = type(observer).__name__
+        if watches_starts(observer):
+            self._starts.append((name, observer))
+        self._finishes.append((name, observer))
+
     def response_started(self, record: ResponseRecord) -> None:
         for name, observer in self._starts:
             try:

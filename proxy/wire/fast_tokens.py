@@ -17,7 +17,7 @@ the shape keeps a hole there, checked the same way (another value must decode al
 A string body is plain when it holds no quote, no control byte, no escape other than
 `\\n \\t \\" \\\\ \\/ \\b \\f \\r`, and is valid UTF-8: then the event is valid JSON exactly when the
 learned one was. Anything else is decoded, so records are the same with and without this path
-(tests/test_fast_path.py compares them over random streams and cuts).
+(tests/wire/test_fast_tokens.py compares them over random streams and cuts).
 """
 
 from __future__ import annotations

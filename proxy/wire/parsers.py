@@ -127,7 +127,7 @@ class SseParser(_StreamParser):
     has no CR, the complete events in it are split at their blank lines in one call, and an event
     of one `data:` line (after an optional `event:` line) is taken as it stands: counted when it
     is a plain token, else decoded, in order; anything else, and what the read leaves open, goes
-    through the decoder. Records come out identical either way (tests/test_fast_path.py).
+    through the decoder. Records come out identical either way (tests/wire/test_fast_tokens.py).
     """
 
     __slots__ = ("_decoder",)
