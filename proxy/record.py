@@ -106,19 +106,12 @@ class RequestInfo:
     n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
 
 
-@dataclass(frozen=True, slots=True)
-class ServerDuring:
-    """What the GPU and the server were doing while a response ran: an enricher's facts, written
-    into the record (its fields of the same names) by the diagnosis. None: no sample counted."""
-
-    gpu: str | None = None
-    vram_free_min_bytes: int | None = None
-    vram_used_max_bytes: int | None = None
-    upstream_running_max: float | None = None
-    upstream_waiting_max: float | None = None
-    kv_cache_usage_max: float | None = None
-    preemptions_during: float | None = None
-    preemptions_scope: str | None = None
+# What the GPU and the server were doing while a response ran: an enricher's facts by the name of
+# the record field each fills (written by the diagnosis; a fact left out or None leaves it as is).
+ServerFact = Literal["gpu", "vram_free_min_bytes", "vram_used_max_bytes", "upstream_running_max",
+                     "upstream_waiting_max", "kv_cache_usage_max", "preemptions_during", "preemptions_scope"]
+SERVER_FACTS: tuple[str, ...] = ServerFact.__args__  # type: ignore[attr-defined]
+ServerDuring = dict[ServerFact, "str | int | float | None"]
 
 
 @dataclass(slots=True)

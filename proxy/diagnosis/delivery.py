@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from dataclasses import fields
 
 import structlog
 
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import ResponseRecord, ServerDuring
+from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
-_FACTS = tuple(f.name for f in fields(ServerDuring))
 
 
 class Delivery:
@@ -52,7 +50,7 @@ class Delivery:
             except Exception as exc:
                 note_failure(record, name, exc)
                 continue
-            if facts is not None:
+            if facts:
                 write_facts(record, facts)
         for name, observer in self._finishes:
             try:
@@ -63,9 +61,8 @@ class Delivery:
 
 def write_facts(record: ResponseRecord, facts: ServerDuring) -> None:
     """An enricher's facts into the record's fields of the same names (None leaves a field as it is)."""
-    for name in _FACTS:
-        value = getattr(facts, name)
-        if value is not None:
+    for name, value in facts.items():
+        if value is not None and name in SERVER_FACTS:
             setattr(record, name, value)
 
 

@@ -3,7 +3,6 @@ and a shutdown that ends every stream visibly and writes its record before the p
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,14 +24,11 @@ from proxy.observers.tracing import Tracer, TracingUnavailable
 from proxy.relay.forward import Forwarder
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.listeners import listen
-from proxy.serve.admin import UpstreamProbe, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.wiring import (
     RUNNER_SHUTDOWN_S,
-    default_observers,
+    Observing,
     drain,
-    open_history,
-    open_tracer,
     proxy_application,
     run_loop,
     server_check,
@@ -59,12 +55,18 @@ class RunningProxy:
     _runners: list[web.BaseRunner] = field(default_factory=list)
     _proxy_site: web.TCPSite | None = None
     _session: aiohttp.ClientSession | None = None
-    _telemetry: Telemetry | None = None
+    _observing: Observing | None = None
     history: History | None = None
     tracer: Tracer | None = None
     check: ServerCheck | None = None
     readers: AdminReaders = field(default_factory=AdminReaders)
     _closed: bool = False
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """The GPU and upstream pollers of this proxy."""
+        assert self._observing is not None
+        return self._observing.telemetry
 
     async def shutdown(self, grace_s: float) -> float:
         """Stop: refuse new connections and requests at once, let open exchanges finish for up to
@@ -88,12 +90,8 @@ class RunningProxy:
             await runner.cleanup()
         if self.check is not None:  # after the handlers: their last records may wait on the tokenizer
             await self.check.close()
-        if self._telemetry is not None:
-            await self._telemetry.stop()
-        if self.history is not None:
-            await asyncio.to_thread(self.history.close)
-        if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.close)
+        if self._observing is not None:
+            await self._observing.close()
         await self.forwarder.close()
         if self._session is not None:
             await self._session.close()
@@ -102,13 +100,8 @@ class RunningProxy:
 async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
                       log_records: bool | None = None) -> RunningProxy:
     """Start both listeners (port 0 picks a free port) and return once they accept connections."""
-    metrics = ProxyMetrics(max_models=config.max_models)
-    store = RecordStore(config.ring_size)
-    telemetry = Telemetry(config, metrics)
-    tracer = open_tracer(config, metrics)
-    history = open_history(config, metrics)
-    chain = default_observers(config, metrics, telemetry, store, extra_observers=extra_observers,
-                            log_records=log_records, history=history, tracer=tracer)
+    observing = Observing.open(config, extra_observers=extra_observers, log_records=log_records)
+    metrics, chain = observing.metrics, observing.delivery
     session = upstream_session(config)
     concurrency = InFlightTracker()
     budget = ByteBudget(config.parse_budget_bytes)
@@ -116,12 +109,11 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
                        parse_budget_refusals=lambda: budget.refused)
     check = server_check(config, chain.response_finished, metrics.count_tokenizer)
     forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
-    probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
     readers = AdminReaders()
-    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: not forwarder.shutting_down,
-                                history=history, allowed_hosts=config.admin_allowed_hosts, readers=readers)
-    running = RunningProxy(config, "", "", store, metrics, concurrency, chain, forwarder, _session=session,
-                           _telemetry=telemetry, history=history, tracer=tracer, check=check, readers=readers)
+    admin_app = observing.admin(config, session, ready=lambda: not forwarder.shutting_down, readers=readers)
+    running = RunningProxy(config, "", "", observing.store, metrics, concurrency, chain, forwarder,
+                           _observing=observing, _session=session, history=observing.history,
+                           tracer=observing.tracer, check=check, readers=readers)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:
@@ -132,7 +124,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
         running._runners.append(runner)
         runner, _, running.admin_url = await listen(admin_app, config.admin_listen, **options)
         running._runners.append(runner)
-        await telemetry.start()
+        await observing.telemetry.start()
         check.start()
     except BaseException:
         await running.close()

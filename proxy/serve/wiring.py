@@ -8,10 +8,12 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 import structlog
+from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.diagnosis.delivery import Delivery
@@ -27,6 +29,8 @@ from proxy.record import ResponseRecord
 from proxy.relay.forward import Forwarder
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.upstream.pool import POOLED_IDLE_S
+from proxy.serve.admin import UpstreamProbe, build_admin_app
+from proxy.serve.admin_reads import AdminReaders
 from proxy.wire.byte_budget import ByteBudget
 
 T = TypeVar("T")
@@ -92,6 +96,47 @@ def open_tracer(config: ProxyConfig, metrics: ProxyMetrics) -> Tracer | None:
     from proxy.observers.tracing import Tracer
 
     return Tracer(config.upstream, metrics)
+
+
+@dataclass
+class Observing:
+    """All that finished records reach in the process that keeps them (one process, or the
+    supervisor of N workers): metrics, the store, telemetry, history, spans, and their chain."""
+
+    metrics: ProxyMetrics
+    store: RecordStore
+    telemetry: Telemetry
+    history: History | None
+    tracer: Tracer | None
+    delivery: Delivery
+
+    @classmethod
+    def open(cls, config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
+             log_records: bool | None = None) -> Observing:
+        """Built from the config (TracingUnavailable when `--otel` asks for an SDK not installed)."""
+        metrics = ProxyMetrics(max_models=config.max_models)
+        store = RecordStore(config.ring_size)
+        telemetry = Telemetry(config, metrics)
+        tracer = open_tracer(config, metrics)
+        history = open_history(config, metrics)
+        delivery = default_observers(config, metrics, telemetry, store, extra_observers=extra_observers,
+                                     log_records=log_records, history=history, tracer=tracer)
+        return cls(metrics, store, telemetry, history, tracer, delivery)
+
+    def admin(self, config: ProxyConfig, session: aiohttp.ClientSession, ready: Callable[[], bool],
+              readers: AdminReaders | None = None) -> web.Application:
+        """The admin listener's application over these records."""
+        probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
+        return build_admin_app(self.store, self.metrics, probe, config.admin_token, ready=ready,
+                               history=self.history, allowed_hosts=config.admin_allowed_hosts, readers=readers)
+
+    async def close(self) -> None:
+        """Stop the pollers; write what the history and the span exporter still hold."""
+        await self.telemetry.stop()
+        if self.history is not None:
+            await asyncio.to_thread(self.history.close)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.close)
 
 
 def default_observers(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Telemetry, store: RecordStore, *,

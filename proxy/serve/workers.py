@@ -44,27 +44,12 @@ from proxy.diagnosis.delivery import Delivery
 from proxy.observers.hooks import Observer
 from proxy.observers.logs import configure_logging
 from proxy.observers.metrics import ProxyMetrics
-from proxy.observers.record_store import RecordStore
-from proxy.observers.telemetry import Telemetry
 from proxy.observers.tracing import TracingUnavailable
 from proxy.processes import follow_parent
 from proxy.record import ResponseRecord, record_from_dict
 from proxy.relay.in_flight import OWNERS, InFlightTracker, SharedCounts
 from proxy.relay.listeners import listen
-from proxy.serve.admin import UpstreamProbe, build_admin_app
-from proxy.serve.wiring import (
-    END_WAIT_S,
-    RUNNER_SHUTDOWN_S,
-    default_observers,
-    drain,
-    open_history,
-    open_tracer,
-    proxy_application,
-    run_loop,
-    server_check,
-    until_stopped,
-    upstream_session,
-)
+from proxy.serve import wiring
 from proxy.wire.byte_budget import ByteBudget, shared_budget
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -147,7 +132,7 @@ def worker_main(args: WorkerArgs) -> None:
     configure_logging(config.log_level, config.log_format)
     structlog.contextvars.bind_contextvars(worker=args.index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the supervisor, which says when
-    run_loop(_worker(args))
+    wiring.run_loop(_worker(args))
 
 
 async def _worker(args: WorkerArgs) -> None:
@@ -159,25 +144,25 @@ async def _worker(args: WorkerArgs) -> None:
     sender = RecordSender(transport, args.ledger, args.owner)
     tracker = InFlightTracker(counts=args.counts, owner=args.owner)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
-    check = server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
-    forwarder = proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
+    check = wiring.server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
+    forwarder = wiring.proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
                                      header_timeout_s=config.header_timeout_s, on_refused=sender.refused,
-                                     shutdown_timeout=RUNNER_SHUTDOWN_S, handler_cancellation=True,
+                                     shutdown_timeout=wiring.RUNNER_SHUTDOWN_S, handler_cancellation=True,
                                      reuse_port=True)
     check.start()
     sender.send({"listening": url, "pid": os.getpid()})
     await stop.wait()
     started = time.monotonic()
     await site.stop()
-    await drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
+    await wiring.drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
     forwarder.end_active()
     await runner.cleanup()
     await check.close()
     await forwarder.close()
-    await sender.flush(END_WAIT_S)
+    await sender.flush(wiring.END_WAIT_S)
 
 
 # --- the supervisor --------------------------------------------------------------------------
@@ -389,7 +374,7 @@ class WorkerPool:
         for worker in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s + END_WAIT_S + 5.0
+        deadline = time.monotonic() + grace_s + wiring.END_WAIT_S + 5.0
         while any(w.process.is_alive() for w in running) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for worker in running:
@@ -422,7 +407,7 @@ def reserve_port(where: HostPort) -> tuple[socket.socket, HostPort]:
 def serve_workers(config: ProxyConfig) -> int:
     """Run the supervisor and its workers until SIGINT/SIGTERM; returns the exit code."""
     try:
-        return run_loop(_supervise(config))
+        return wiring.run_loop(_supervise(config))
     except KeyboardInterrupt:
         return 0
 
@@ -440,40 +425,34 @@ async def _supervise(config: ProxyConfig) -> int:
     context = multiprocessing.get_context("spawn")
     counts = SharedCounts(context)
     budget_state = shared_budget(context)
-    metrics = ProxyMetrics(max_models=config.max_models)
-    store = RecordStore(config.ring_size)
-    telemetry = Telemetry(config, metrics)
     try:
-        tracer = open_tracer(config, metrics)
+        observing = wiring.Observing.open(config)
     except TracingUnavailable as exc:
         held.close()
         print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
         return 2
-    history = open_history(config, metrics)
-    chain = default_observers(config, metrics, telemetry, store, history=history, tracer=tracer)
+    metrics = observing.metrics
     view = InFlightTracker(counts=counts)
     budget = ByteBudget(config.parse_budget_bytes, shared=budget_state)
     metrics.read_state(in_flight=lambda: view.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    pool = WorkerPool(config, counts, budget_state, chain, metrics)
-    session = upstream_session(config)
-    probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
-    admin_app = build_admin_app(store, metrics, probe, config.admin_token, ready=lambda: pool.ready,
-                                history=history, allowed_hosts=config.admin_allowed_hosts)
+    pool = WorkerPool(config, counts, budget_state, observing.delivery, metrics)
+    session = wiring.upstream_session(config)
+    admin_app = observing.admin(config, session, ready=lambda: pool.ready)
     admin_runner = None
     code = 0
     try:
-        admin_runner, _, admin_url = await listen(admin_app, config.admin_listen, backlog=config.backlog,
-                                                  header_timeout_s=config.header_timeout_s,
-                                                  on_refused=metrics.count_refused, shutdown_timeout=RUNNER_SHUTDOWN_S)
-        await telemetry.start()
+        admin_runner, _, admin_url = await listen(
+            admin_app, config.admin_listen, backlog=config.backlog, header_timeout_s=config.header_timeout_s,
+            on_refused=metrics.count_refused, shutdown_timeout=wiring.RUNNER_SHUTDOWN_S)
+        await observing.telemetry.start()
         await pool.start()
         held.close()
         metrics.workers.set(pool.alive)
         _log.info("listening", proxy=pool.workers[0].url, admin=admin_url, upstream=config.upstream,
                   workers=config.workers, deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
                   deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s)
-        await until_stopped(pool.failed.wait())
+        await wiring.until_stopped(pool.failed.wait())
         code = 1 if pool.failed.is_set() else 0
     except OSError as exc:
         print(f"llm-diag-proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
@@ -488,11 +467,7 @@ async def _supervise(config: ProxyConfig) -> int:
         held.close()
         if admin_runner is not None:
             await admin_runner.cleanup()
-        await telemetry.stop()
         await session.close()
-        if history is not None:
-            await asyncio.to_thread(history.close)
-        if tracer is not None:
-            await asyncio.to_thread(tracer.close)
+        await observing.close()
         _log.info("stopped", seconds=round(time.monotonic() - started, 3))
     return code

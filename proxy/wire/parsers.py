@@ -64,12 +64,52 @@ class _StreamParser:
 
     __slots__ = ("_interpret", "_max_line", "_overlong", "_plain")
     streaming = True
+    SEPARATOR = b"\n"  # what ends one payload: a line (NDJSON), a blank line (SSE)
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None) -> None:
         self._interpret = interpret
         self._max_line = max_line
         self._overlong = 0
         self._plain = plain
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        before = self._overlong
+        events = self._feed_read(chunk)
+        return events if self._overlong == before or events[0] is OVERLONG else _overlong_first(events)
+
+    def _feed_read(self, chunk: bytes) -> list[Event]:
+        """One read: its complete payloads through the fast path, the rest through the decoder."""
+        if self._plain is None or b"\r" in chunk:
+            return self._decode(chunk)
+        separator = self.SEPARATOR
+        if not self._clean():  # the last read ended inside a payload: the decoder finishes it
+            first = chunk.find(separator)
+            if first < 0:
+                return self._decode(chunk)
+            finished = self._decode(chunk[:first + len(separator)])  # it ends on a separator: clean
+            rest = chunk[first + len(separator):]
+            end = rest.rfind(separator)
+            if end < 0 or not self._clean():  # (a CR of the last read can still be pending)
+                more = self._decode(rest) if rest else []
+            else:
+                more = self._feed_complete(rest, end, self._plain)
+            return [*finished, *more] if finished else more
+        end = chunk.rfind(separator)
+        if end >= 0:
+            return self._feed_complete(chunk, end, self._plain)
+        return self._decode(chunk)
+
+    def _clean(self) -> bool:
+        """The decoder holds nothing of a payload begun in an earlier read."""
+        raise NotImplementedError
+
+    def _decode(self, chunk: bytes) -> list[Event]:
+        """A read through the decoder, byte by byte as it frames them."""
+        raise NotImplementedError
+
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+        """The read's complete payloads (up to `end`, a separator) by the fast path, then the rest."""
+        raise NotImplementedError
 
     def _payload(self, data: bytes) -> list[Event]:
         plain = self._plain
@@ -131,35 +171,14 @@ class SseParser(_StreamParser):
     """
 
     __slots__ = ("_decoder",)
+    SEPARATOR = b"\n\n"
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None = None) -> None:
         super().__init__(interpret, max_line, plain)
         self._decoder = SseDecoder(max_line)
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        before = self._overlong
-        events = self._feed_read(chunk)
-        return events if self._overlong == before or events[0] is OVERLONG else _overlong_first(events)
-
-    def _feed_read(self, chunk: bytes) -> list[Event]:
-        if self._plain is None or b"\r" in chunk:
-            return self._decode(chunk)
-        if not self._decoder.clean:  # the last read ended inside an event: the decoder finishes it
-            first = chunk.find(b"\n\n")
-            if first < 0:
-                return self._decode(chunk)
-            finished = self._decode(chunk[:first + 2])  # ends on a blank line: the decoder is clean
-            rest = chunk[first + 2:]
-            end = rest.rfind(b"\n\n")
-            if end < 0 or not self._decoder.clean:  # (a CR of the last read can still be pending)
-                more = self._decode(rest) if rest else []
-            else:
-                more = self._feed_events(rest, end, self._plain)
-            return [*finished, *more] if finished else more
-        end = chunk.rfind(b"\n\n")
-        if end >= 0:
-            return self._feed_events(chunk, end, self._plain)
-        return self._decode(chunk)
+    def _clean(self) -> bool:
+        return self._decoder.clean
 
     def _decode(self, chunk: bytes) -> list[Event]:
         payloads = self._decoder.feed(chunk)
@@ -168,7 +187,7 @@ class SseParser(_StreamParser):
             return [OVERLONG, *self._events(payloads)]
         return self._events(payloads) if payloads else _NO_EVENTS
 
-    def _feed_events(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
         """The read's complete events (up to `end`, a blank line), then what it leaves open.
 
         The one learned shape of a response is tried against the whole read first
@@ -256,30 +275,8 @@ class NdjsonParser(_StreamParser):
         super().__init__(interpret, max_line, plain)
         self._decoder = NdjsonDecoder(max_line)
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        before = self._overlong
-        events = self._feed_read(chunk)
-        return events if self._overlong == before or events[0] is OVERLONG else _overlong_first(events)
-
-    def _feed_read(self, chunk: bytes) -> list[Event]:
-        if self._plain is None or b"\r" in chunk:
-            return self._decode(chunk)
-        if not self._decoder.clean:  # the last read ended inside a line: the decoder finishes it
-            first = chunk.find(b"\n")
-            if first < 0:
-                return self._decode(chunk)
-            finished = self._decode(chunk[:first + 1])
-            rest = chunk[first + 1:]
-            end = rest.rfind(b"\n")
-            if end < 0 or not self._decoder.clean:
-                more = self._decode(rest) if rest else []
-            else:
-                more = self._feed_lines(rest, end, self._plain)
-            return [*finished, *more] if finished else more
-        end = chunk.rfind(b"\n")
-        if end >= 0:
-            return self._feed_lines(chunk, end, self._plain)
-        return self._decode(chunk)
+    def _clean(self) -> bool:
+        return self._decoder.clean
 
     def _decode(self, chunk: bytes) -> list[Event]:
         lines = self._decoder.feed(chunk)
@@ -289,7 +286,7 @@ class NdjsonParser(_StreamParser):
             return [OVERLONG, *events]
         return events
 
-    def _feed_lines(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
         events: list[Event] = []
         counts = [0, 0, 0]  # by plain.count's answer: empty, visible, reasoning
         limit = self._max_line

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from proxy.record import ResponseRecord
 from proxy.serve.app import RunningProxy
 from tests.e2e.load.resources import rss_bytes, settle_memory
 from tests.support.proxies import ProxyFactory
@@ -165,13 +166,18 @@ async def test_paused_client_blocks_the_upstream_and_proxy_memory_stays_bounded(
     assert sent_after_more_pause - sent_when_paused < MIB
     assert abs(slow_sent - slow_read) < 16 * MIB  # it went at the client's pace, give or take the buffers
     assert peak - before < RSS_GROWTH_LIMIT
+    record = await the_record(proxy)
+    assert record.stop_reason == "client_disconnect"
+    assert proxy.concurrency.in_flight == 0
+
+
+async def the_record(proxy: RunningProxy) -> ResponseRecord:
+    """The one record of the test's one request, once it is stored."""
     for _ in range(100):
         if proxy.store.total:
             break
         await asyncio.sleep(0.02)
-    record = next(proxy.store.newest_first())
-    assert record.stop_reason == "client_disconnect"
-    assert proxy.concurrency.in_flight == 0
+    return next(proxy.store.newest_first())
 
 
 async def test_fast_client_gets_all_200_mib_unchanged_with_bounded_proxy_memory(
@@ -193,10 +199,6 @@ async def test_fast_client_gets_all_200_mib_unchanged_with_bounded_proxy_memory(
     assert received == flood.sent >= TOTAL
     assert digest.digest() == flood.digest.digest()
     assert peak - before < RSS_GROWTH_LIMIT
-    for _ in range(100):
-        if proxy.store.total:
-            break
-        await asyncio.sleep(0.02)
-    record = next(proxy.store.newest_first())
+    record = await the_record(proxy)
     assert record.bytes_out == received
     assert record.stop_reason == "upstream_disconnect"  # no finish_reason, no [DONE]: the stream just ended

@@ -222,13 +222,19 @@ async def test_a_client_that_goes_away_frees_its_sequence() -> None:
                                                                "options": {"num_predict": 100000}})
         await resp.content.readline()
         resp.close()
+    idle, aborted = await idle_then_closed(sim)
+    assert idle and aborted == 1
+
+
+async def idle_then_closed(sim: RunningSimulator) -> tuple[bool, int]:
+    """Whether the engine went idle within 2 s, and how many sequences it aborted; then closed."""
     for _ in range(200):
         if sim.engine.idle:
             break
         await asyncio.sleep(0.01)
     idle, aborted = sim.engine.idle, sim.engine.counters.aborted
     await sim.close()
-    assert idle and aborted == 1
+    return idle, aborted
 
 
 async def test_a_client_that_leaves_a_whole_answer_frees_its_sequence() -> None:
@@ -237,12 +243,7 @@ async def test_a_client_that_leaves_a_whole_answer_frees_its_sequence() -> None:
         with contextlib.suppress(TimeoutError):
             await session.post(f"{sim.url}/v1/completions", json={"prompt": "x"},
                                timeout=aiohttp.ClientTimeout(total=0.2))
-    for _ in range(200):
-        if sim.engine.idle:
-            break
-        await asyncio.sleep(0.01)
-    idle, aborted = sim.engine.idle, sim.engine.counters.aborted
-    await sim.close()
+    idle, aborted = await idle_then_closed(sim)
     assert idle and aborted == 1
 
 

@@ -31,12 +31,14 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.loopback_app import LoopbackApp
+
 VERSION = "0.33.2"
 MODEL = "qwen3:4b"
 
 
 @dataclass
-class FakeOllama:
+class FakeOllama(LoopbackApp):
     context: int = 4096  # tokens a request gets (what /api/ps says), unless options.num_ctx says less
     split: bool = False  # share the context between requests in flight
     thinking: int = 0  # thinking tokens before each answer (a thinking model), 0 for none
@@ -46,23 +48,11 @@ class FakeOllama:
     prompts: list[int] = field(default_factory=list)  # prompt_eval_count of each chat answered
     server: TestServer | None = None
 
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/api/version", self._version)
         app.router.add_get("/api/ps", self._ps)
         app.router.add_post("/api/chat", self._chat)
         app.router.add_post("/v1/chat/completions", self._openai_chat)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})

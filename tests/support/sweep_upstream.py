@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.loopback_app import LoopbackApp
 from tests.support.wire import ollama_stream, openai_stream
 
 Answer = Callable[[int], tuple[int, str]]  # in-flight count -> (tokens, finish reason)
 
 
 @dataclass
-class LoadUpstream:
+class LoadUpstream(LoopbackApp):
     """A tiny OpenAI/Ollama server: each answer's length and finish depend on how many are in flight."""
 
     answer: Answer = lambda in_flight: (6, "stop")
@@ -34,18 +35,10 @@ class LoadUpstream:
     bodies: list[bytes] = field(default_factory=list)
     server: TestServer | None = None
 
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/api/chat", self._handle)
         app.router.add_get("/", self._root)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
 
     async def _root(self, request: web.Request) -> web.Response:
         return web.Response(text="up")

@@ -21,6 +21,8 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.loopback_app import LoopbackApp
+
 MODEL = "tiny"
 
 
@@ -31,7 +33,7 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 
 
 @dataclass
-class FakeVllm:
+class FakeVllm(LoopbackApp):
     max_model_len: int = 512
     tokenize_status: int = 200  # 404: a server whose /tokenize is blocked
     tokenize_delay_s: float = 0.0
@@ -42,22 +44,10 @@ class FakeVllm:
     tokenize_headers: list[dict[str, str]] = field(default_factory=list)
     server: TestServer | None = None
 
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def start(self) -> None:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -14,7 +14,6 @@ before it (see proxy.observers.telemetry.samples).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any
 
 from proxy.observers.telemetry.gpu import GpuReading, GpuSnapshot, attributed_gpu
 from proxy.observers.telemetry.samples import SampleRing, counter_increase, max_of, min_of
@@ -50,11 +49,12 @@ class TelemetryEnricher:
     def facts_for(self, record: ResponseRecord) -> ServerDuring | None:
         t0 = record.started_at
         t1 = t0 + max(record.duration_s, 0.0)
-        gpu = self._gpu(t0, t1) if self.gpu_ring is not None else {}
-        upstream = self._upstream(t0, t1) if self.upstream_ring is not None and _ran_upstream(record) else {}
-        return ServerDuring(**gpu, **upstream) if gpu or upstream else None
+        facts: ServerDuring = self._gpu(t0, t1) if self.gpu_ring is not None else {}
+        if self.upstream_ring is not None and _ran_upstream(record):
+            facts.update(self._upstream(t0, t1))
+        return facts or None
 
-    def _gpu(self, t0: float, t1: float) -> dict[str, Any]:
+    def _gpu(self, t0: float, t1: float) -> ServerDuring:
         assert self.gpu_ring is not None
         window = self.gpu_ring.window(t0, t1, self.gpu_max_age)
         if not window:
@@ -68,10 +68,10 @@ class TelemetryEnricher:
         return {"gpu": str(chosen.index), "vram_free_min_bytes": None if free is None else int(free),
                 "vram_used_max_bytes": None if used is None else int(used)}
 
-    def _upstream(self, t0: float, t1: float) -> dict[str, Any]:
+    def _upstream(self, t0: float, t1: float) -> ServerDuring:
         ring = self.upstream_ring
         assert ring is not None
-        found: dict[str, Any] = {}
+        found: ServerDuring = {}
         window = [state for _, state in ring.window(t0, t1, max_age=0.0)]  # inside its life only
         if window:
             found["upstream_running_max"] = max_of(s.running for s in window)

@@ -141,3 +141,11 @@ def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
         info.prompt_words = len(prompt.split())
     elif isinstance(prompt, list) and prompt:
         info.has_prompt = True
+
+
+def read_chat_or_prompt(obj: dict[str, Any], info: RequestInfo) -> None:
+    """A body that is a chat (`messages`) or a completion (`prompt`), whichever it holds."""
+    if "messages" in obj:
+        read_messages(obj.get("messages"), info)
+    else:
+        read_prompt_text(obj.get("prompt"), info)

@@ -20,8 +20,7 @@ from proxy.wire.dialects.base import (
     error_event,
     expect_object,
     positive_budget,
-    read_messages,
-    read_prompt_text,
+    read_chat_or_prompt,
 )
 from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
 
@@ -75,10 +74,7 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
         info.seed = as_int(options.get("seed"))
         info.temperature = as_number(options.get("temperature"))
         info.stop_requested = bool(options.get("stop"))
-    if "messages" in obj:
-        read_messages(obj.get("messages"), info)
-    else:
-        read_prompt_text(obj.get("prompt"), info)
+    read_chat_or_prompt(obj, info)
 
 
 DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events,

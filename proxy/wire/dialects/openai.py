@@ -33,9 +33,8 @@ from proxy.wire.dialects.base import (
     as_number,
     error_event,
     expect_object,
+    read_chat_or_prompt,
     read_common,
-    read_messages,
-    read_prompt_text,
 )
 from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
 
@@ -143,10 +142,7 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     if isinstance(stop_ids, list):
         info.stop_token_ids = tuple(i for i in stop_ids if as_int(i) is not None)
     info.truncate_prompt_tokens = as_int(obj.get("truncate_prompt_tokens"))
-    if "messages" in obj:
-        read_messages(obj.get("messages"), info)
-    else:
-        read_prompt_text(obj.get("prompt"), info)
+    read_chat_or_prompt(obj, info)
 
 
 DIALECT = Dialect(name="openai", routes=ROUTES, read_request=read_request, events=events,

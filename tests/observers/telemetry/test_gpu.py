@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pynvml
 import pytest
@@ -23,80 +22,7 @@ from proxy.observers.telemetry.gpu import (
     attributed_gpu,
 )
 from proxy.observers.telemetry.samples import SampleRing
-
-GIB = 1 << 30
-
-
-@dataclass
-class FakeGpu:
-    uuid: str
-    name: str
-    total: int = 24 * GIB
-    used: int = 2 * GIB
-    utilization: int = 50
-    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, used bytes)
-    errors: dict[str, pynvml.NVMLError] = field(default_factory=dict)  # call name -> error to raise
-
-
-class FakeNvml:
-    """Stands in for libnvidia-ml behind pynvml's functions; tests edit `gpus` and `errors`."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> None:
-        self.gpus = gpus
-        self.init_error: pynvml.NVMLError | None = None
-        self.count_error: pynvml.NVMLError | None = None
-        self.inits = 0
-        self.shutdowns = 0
-        for name in ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
-                     "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates",
-                     "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetName", "nvmlDeviceGetUUID"):
-            monkeypatch.setattr(pynvml, name, getattr(self, name))
-
-    def _check(self, gpu: FakeGpu, call: str) -> None:
-        error = gpu.errors.get(call)
-        if error is not None:
-            raise error
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise self.init_error
-        self.inits += 1
-
-    def nvmlShutdown(self) -> None:
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        if self.count_error is not None:
-            raise self.count_error
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
-        if index >= len(self.gpus):
-            raise pynvml.NVMLError_InvalidArgument()
-        gpu = self.gpus[index]
-        self._check(gpu, "nvmlDeviceGetHandleByIndex")
-        return gpu
-
-    def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu) -> Any:
-        self._check(gpu, "nvmlDeviceGetMemoryInfo")
-        return SimpleNamespace(total=gpu.total, used=gpu.used, free=gpu.total - gpu.used)
-
-    def nvmlDeviceGetUtilizationRates(self, gpu: FakeGpu) -> Any:
-        self._check(gpu, "nvmlDeviceGetUtilizationRates")
-        return SimpleNamespace(gpu=gpu.utilization, memory=10)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[Any]:
-        self._check(gpu, "nvmlDeviceGetComputeRunningProcesses")
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
-                                computeInstanceId=0xFFFFFFFF) for pid, used in gpu.processes]
-
-    def nvmlDeviceGetName(self, gpu: FakeGpu) -> str:
-        self._check(gpu, "nvmlDeviceGetName")
-        return gpu.name
-
-    def nvmlDeviceGetUUID(self, gpu: FakeGpu) -> str:
-        self._check(gpu, "nvmlDeviceGetUUID")
-        return gpu.uuid
+from tests.support.fake_nvml import GIB, FakeGpu, FakeNvml
 
 
 def two_gpus() -> list[FakeGpu]:
@@ -120,15 +46,31 @@ def make_poller(metrics: ProxyMetrics) -> tuple[GpuPoller, SampleRing[GpuSnapsho
     return GpuPoller(1.0, metrics, ring, retry_s=0.01, clock=lambda: next(clock)), ring
 
 
-async def test_poll_exports_memory_utilization_and_process_memory_per_gpu(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeNvml(monkeypatch, two_gpus())
+@contextlib.asynccontextmanager
+async def polling(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> AsyncIterator[
+        tuple[ProxyMetrics, GpuPoller]]:
+    """A poller of these GPUs and its metrics, closed after."""
+    FakeNvml(monkeypatch, gpus)
     metrics = ProxyMetrics()
-    poller, ring = make_poller(metrics)
+    poller, _ = make_poller(metrics)
     try:
-        assert await poller.poll_once()
+        yield metrics, poller
     finally:
         await poller.close()
+
+
+async def polled_once(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGpu]) -> tuple[
+        ProxyMetrics, SampleRing[GpuSnapshot], bool]:
+    """One poll of these GPUs: the metrics, the ring, and whether the poll read them."""
+    async with polling(monkeypatch, gpus) as (metrics, poller):
+        read = await poller.poll_once()
+    return metrics, poller.ring, read
+
+
+async def test_poll_exports_memory_utilization_and_process_memory_per_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    metrics, ring, read = await polled_once(monkeypatch, two_gpus())
+    assert read
     gpu0 = {"gpu": "0", "uuid": "GPU-aaaa", "name": "NVIDIA H100 80GB HBM3"}
     assert sample(metrics, "llm_proxy_gpu_memory_used_bytes", **gpu0) == 70 * GIB
     assert sample(metrics, "llm_proxy_gpu_memory_free_bytes", **gpu0) == 10 * GIB
@@ -165,13 +107,7 @@ async def test_process_series_of_a_process_that_went_away_is_removed(monkeypatch
 
 
 async def test_process_memory_unknown_to_nvml_gets_no_series(monkeypatch: pytest.MonkeyPatch) -> None:
-    FakeNvml(monkeypatch, [FakeGpu("GPU-aaaa", "L4", processes=[(4242, None)])])
-    metrics = ProxyMetrics()
-    poller, ring = make_poller(metrics)
-    try:
-        await poller.poll_once()
-    finally:
-        await poller.close()
+    metrics, ring, _ = await polled_once(monkeypatch, [FakeGpu("GPU-aaaa", "L4", processes=[(4242, None)])])
     assert series(metrics, "llm_proxy_gpu_process_memory_bytes{") == []
     assert ring.latest()[1].gpus[0].processes[0].used_bytes is None  # type: ignore[index]
 
@@ -179,17 +115,12 @@ async def test_process_memory_unknown_to_nvml_gets_no_series(monkeypatch: pytest
 async def test_gpu_that_vanishes_has_its_series_removed_and_the_others_stay(
         monkeypatch: pytest.MonkeyPatch) -> None:
     gpus = two_gpus()
-    FakeNvml(monkeypatch, gpus)
-    metrics = ProxyMetrics()
-    poller, _ = make_poller(metrics)
-    try:
+    async with polling(monkeypatch, gpus) as (metrics, poller):
         await poller.poll_once()
         gpus[0].errors["nvmlDeviceGetMemoryInfo"] = pynvml.NVMLError_GpuIsLost()
         with capture_logs() as logs:
             assert await poller.poll_once()
             await poller.poll_once()
-    finally:
-        await poller.close()
     used = series(metrics, "llm_proxy_gpu_memory_used_bytes{")
     assert len(used) == 1 and 'uuid="GPU-bbbb"' in used[0]
     assert series(metrics, 'llm_proxy_gpu_utilization_ratio{gpu="0"') == []
@@ -201,28 +132,18 @@ async def test_gpu_that_vanishes_has_its_series_removed_and_the_others_stay(
 
 async def test_gpu_removed_from_the_count_has_its_series_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     gpus = two_gpus()
-    FakeNvml(monkeypatch, gpus)
-    metrics = ProxyMetrics()
-    poller, _ = make_poller(metrics)
-    try:
+    async with polling(monkeypatch, gpus) as (metrics, poller):
         await poller.poll_once()
         del gpus[1]
         await poller.poll_once()
-    finally:
-        await poller.close()
     assert [line.split("uuid=")[1][:10] for line in series(metrics, "llm_proxy_gpu_memory_total_bytes{")] \
         == ['"GPU-aaaa"']
 
 
 async def test_unsupported_utilization_leaves_only_that_series_out(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = FakeGpu("GPU-aaaa", "Tesla T4", errors={"nvmlDeviceGetUtilizationRates": pynvml.NVMLError_NotSupported()})
-    FakeNvml(monkeypatch, [gpu])
-    metrics = ProxyMetrics()
-    poller, ring = make_poller(metrics)
-    try:
-        assert await poller.poll_once()
-    finally:
-        await poller.close()
+    metrics, ring, read = await polled_once(monkeypatch, [gpu])
+    assert read
     assert series(metrics, "llm_proxy_gpu_utilization_ratio{") == []
     assert len(series(metrics, "llm_proxy_gpu_memory_used_bytes{")) == 1
     assert ring.latest()[1].gpus[0].utilization_ratio is None  # type: ignore[index]

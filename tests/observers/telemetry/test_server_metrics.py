@@ -26,6 +26,7 @@ from proxy.observers.telemetry.server_metrics import (
     parse_ollama_ps,
     parse_prometheus_state,
 )
+from tests.support.path_upstream import FakeUpstream
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 VLLM_V0 = (FIXTURES / "vllm_metrics_v0_engine.txt").read_text()
@@ -149,40 +150,6 @@ def test_ollama_ps_with_context_length() -> None:
 def test_ollama_ps_of_another_shape_is_a_parse_error(body: bytes) -> None:
     with pytest.raises(ValueError):
         parse_ollama_ps(body)
-
-
-class FakeUpstream:
-    """A real aiohttp server on loopback serving whatever `routes` holds now (path -> (status, body))."""
-
-    def __init__(self) -> None:
-        self.routes: dict[str, tuple[int, bytes]] = {}
-        self.hits: list[str] = []
-        self.server: TestServer | None = None
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        self.hits.append(request.path)
-        status, body = self.routes.get(request.path, (404, b"404 page not found"))
-        return web.Response(status=status, body=body)
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", self._handle)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
-
-
-@pytest.fixture
-async def fake_upstream() -> AsyncIterator[FakeUpstream]:
-    upstream = FakeUpstream()
-    await upstream.start()
-    yield upstream
-    assert upstream.server is not None
-    await upstream.server.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -13,17 +12,9 @@ from proxy.diagnosis.delivery import Delivery
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.telemetry import Telemetry
 from proxy.record import ResponseRecord
-from tests.observers.telemetry.test_gpu import GIB, FakeGpu, FakeNvml
-from tests.observers.telemetry.test_server_metrics import VLLM_V1, FakeUpstream
-
-
-@pytest.fixture
-async def fake_upstream() -> AsyncIterator[FakeUpstream]:
-    upstream = FakeUpstream()
-    await upstream.start()
-    yield upstream
-    assert upstream.server is not None
-    await upstream.server.close()
+from tests.observers.telemetry.test_server_metrics import VLLM_V1
+from tests.support.fake_nvml import GIB, FakeGpu, FakeNvml
+from tests.support.path_upstream import FakeUpstream
 
 
 def finished(started_at: float, duration_s: float) -> ResponseRecord:

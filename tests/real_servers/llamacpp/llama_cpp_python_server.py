@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.real_servers.llamacpp.llama_server import ALIAS, BUILD_DIR, CACHE_ROOT, LCP_VERSION, free_port
+from tests.support.server_process import ServerProcess
 
 PYTHON = Path(os.environ.get("LLAMA_CPP_PYTHON", str(CACHE_ROOT / f"llama-cpp-python-{LCP_VERSION}" / "bin" /
                                                      "python")))
@@ -30,49 +28,18 @@ def available() -> bool:
 
 
 @dataclass
-class LlamaCppPythonServer:
+class LlamaCppPythonServer(ServerProcess):
     model: Path
     n_ctx: int = 1024
     log_path: Path | None = None
     port: int = 0
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    name = "llama_cpp.server"
+    ready_path = "/v1/models"
+    start_timeout_s = START_TIMEOUT_S
 
     def start(self, log_path: Path) -> None:
-        self.log_path = log_path
         self.port = free_port()
         argv = [str(PYTHON), "-m", "llama_cpp.server", "--model", str(self.model), "--model_alias", ALIAS,
                 "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.n_ctx), "--n_threads", "2"]
-        env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(LIB_DIR)}
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"llama_cpp.server not up after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        self.launch(argv, log_path, env={**os.environ, "LLAMA_CPP_LIB_PATH": str(LIB_DIR)})

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.ports import free_port
+from tests.support.server_process import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 LCP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp tools/build_llama_server.sh builds
@@ -27,8 +25,11 @@ def binary_available() -> bool:
 
 
 @dataclass
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """One llama-server process on 127.0.0.1, its log kept so a failure can show why."""
+
+    name = "llama-server"
+    start_timeout_s = START_TIMEOUT_S
 
     model: Path
     ctx_size: int
@@ -37,10 +38,6 @@ class LlamaServer:
     log_path: Path | None = None
     port: int = 0
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def unified_kv(self) -> bool:
@@ -68,37 +65,8 @@ class LlamaServer:
 
     def start(self, log_path: Path) -> None:
         """Start the process and return once `/health` answers 200 (the model is loaded)."""
-        self.log_path = log_path
         self.port = free_port()
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet, or 503 while the model loads
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"llama-server not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        self.launch(self.argv(), log_path)
 
     def version(self) -> str:
         """What `llama-server --version` prints (build number and commit)."""

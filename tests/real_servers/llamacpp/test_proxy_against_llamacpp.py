@@ -243,6 +243,20 @@ async def test_answer_that_completes_in_one_slot_is_cut_when_the_same_context_is
 # --- a unified KV pool: only concurrency exhausts it, and then the server errors --------------
 
 
+async def two_chats_at_once(running: Any, stream: bool) -> tuple[list[str], list[openai.APIError | None]]:
+    """Two chats on the unified pool at the same time, each as the official client ends: an error, or none."""
+    rids = [new_id() for _ in range(2)]
+
+    async def one(rid: str) -> openai.APIError | None:
+        try:
+            await chat(running, BIG_BUDGET, stream=stream, request_id=rid, prompt=UNIFIED_PROMPT)
+        except openai.APIError as exc:
+            return exc
+        return None
+
+    return rids, list(await asyncio.gather(*(one(rid) for rid in rids)))
+
+
 async def test_unified_pool_lets_one_request_complete(eos_unified_server: LlamaServer, proxy_for: Any) -> None:
     running = await proxy_for(eos_unified_server.url)
     rid, finish, chunks, _ = await chat(running, BIG_BUDGET, stream=True, prompt=UNIFIED_PROMPT)
@@ -257,20 +271,14 @@ async def test_streams_that_exhaust_a_unified_pool_are_recorded_with_the_servers
     # fails before its first token gets HTTP 500 and a JSON error (the server's rule, to match
     # OpenAI). Which of the two a request gets depends on timing; the record must say which.
     running = await proxy_for(eos_unified_server.url)
-    rids = [new_id() for _ in range(2)]
-
-    async def one(rid: str) -> int:
-        try:
-            await chat(running, BIG_BUDGET, stream=True, request_id=rid, prompt=UNIFIED_PROMPT)
-        except openai.APIStatusError as exc:  # HTTP 500 before any event
-            assert "Context size has been exceeded" in str(exc)
-            return exc.status_code
-        except openai.APIError as exc:  # the client raises on the `data: {"error": ...}` event
-            assert "Context size has been exceeded" in str(exc)
-            return 200
-        return 0  # completed: the pool was not exhausted
-
-    statuses = await asyncio.gather(*(one(rid) for rid in rids))
+    rids, errors = await two_chats_at_once(running, stream=True)
+    statuses = []
+    for error in errors:
+        if error is not None:
+            assert "Context size has been exceeded" in str(error)
+        # HTTP 500 before any event; the client raises on a `data: {"error": ...}` event after a 200;
+        # none: completed, the pool was not exhausted
+        statuses.append(error.status_code if isinstance(error, openai.APIStatusError) else 200 if error else 0)
     if 0 in statuses:  # on a loaded machine one request can finish before the other starts
         done = [rid for rid, status in zip(rids, statuses, strict=True) if status == 0]
         assert all((await record_of(running, rid))["stop_reason"] == "eos" for rid in done)
@@ -291,16 +299,8 @@ async def test_non_streamed_requests_failing_on_an_exhausted_unified_pool_are_ht
     eos_unified_server: LlamaServer, proxy_for: Any
 ) -> None:
     running = await proxy_for(eos_unified_server.url)
-    rids = [new_id() for _ in range(2)]
-
-    async def one(rid: str) -> int:
-        try:
-            await chat(running, BIG_BUDGET, stream=False, request_id=rid, prompt=UNIFIED_PROMPT)
-        except openai.APIStatusError as exc:
-            return exc.status_code
-        return 200
-
-    assert await asyncio.gather(*(one(rid) for rid in rids)) == [500, 500]
+    rids, errors = await two_chats_at_once(running, stream=False)
+    assert [error.status_code if isinstance(error, openai.APIStatusError) else 200 for error in errors] == [500, 500]
     for rid in rids:
         record = await record_of(running, rid)
         assert (record["status"], record["stop_reason"], record["upstream_error"]) == (

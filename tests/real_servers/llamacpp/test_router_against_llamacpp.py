@@ -77,7 +77,7 @@ async def test_the_proxy_reads_a_routers_models_without_loading_one_and_their_st
                 break
             await asyncio.sleep(0.02)
         assert info is not None and (info.context_per_request, info.slots) == (512, 2)
-        telemetry = running._telemetry
+        telemetry = running.telemetry
         assert telemetry is not None and telemetry.upstream_poller is not None
         for _ in range(100):
             latest = telemetry.upstream_ring.latest() if telemetry.upstream_ring is not None else None

@@ -117,7 +117,7 @@ async def polled_proxy(proxy_for: Any, vllm: VllmServer) -> Any:
     running = await proxy_for(vllm.url)
 
     async def polled() -> bool:
-        ring = running._telemetry.upstream_ring
+        ring = running.telemetry.upstream_ring
         return ring is not None and len(ring) >= 2
 
     await until(polled)
@@ -365,7 +365,7 @@ async def settled_preemptions(vllm: VllmServer, running: Any) -> float:
     its answers ended. A record's baseline is the poll before it began; waiting here keeps the
     last load's late count out of the next load's records.
     """
-    ring = running._telemetry.upstream_ring
+    ring = running.telemetry.upstream_ring
     count = await vllm_gauge(vllm, "vllm:num_preemptions_total")
     while True:
         await asyncio.sleep(0.5)
@@ -418,7 +418,7 @@ async def test_eight_concurrent_answers_on_a_tiny_kv_cache_are_preempted_yet_com
     assert max(r.kv_cache_usage_max or 0.0 for r in records) >= 0.5  # sampled every 0.1 s: peaks may fall between
     # A record carries the server's figures when a poll landed inside its life; when /metrics
     # stalled through the whole of it, it carries none rather than another moment's.
-    ring = running._telemetry.upstream_ring
+    ring = running.telemetry.upstream_ring
     for r in records:
         polled = ring.window(r.started_at, r.started_at + r.duration_s, max_age=0.0)
         assert (r.kv_cache_usage_max is not None) == any(s.kv_cache_usage is not None for _, s in polled)

@@ -7,18 +7,16 @@ tests/real_servers/vllm/make_tiny_hf_model.py with that environment's torch and 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.ports import free_port
+from tests.support.server_process import ServerProcess
 
 VLLM_VERSION = "0.32.0"
 CACHE_ROOT = Path(os.environ.get("LLM_DIAG_CACHE") or Path.home() / ".cache" / "llm-diag-proxy")
@@ -47,18 +45,20 @@ def make_model(out: Path, eos_after: int | None) -> Path:
 
 
 @dataclass
-class VllmServer:
+class VllmServer(ServerProcess):
     """One `vllm.entrypoints.openai.api_server` process on 127.0.0.1, its log kept to show why it failed."""
+
+    name = "vLLM"
+    start_timeout_s = START_TIMEOUT_S
+    poll_s = 0.25
+    own_group = True  # its engine process goes with it
+    log_lines = 60
 
     model: Path
     extra_args: tuple[str, ...] = ()
     log_path: Path | None = None
     port: int = 0
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
         # `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script fails because
@@ -87,26 +87,10 @@ class VllmServer:
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0")}
 
     def start(self, log_path: Path) -> None:
-        """Start the process and return once `/health` answers 200 (50-90 s on a CPU)."""
-        self.log_path = log_path
+        """Start the process and return once `/health` answers 200 (50-90 s on a CPU), warmed up."""
         self.port = free_port()
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
-                                            start_new_session=True)  # its engine process goes with it
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        self.warm_up()
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+        self.launch(self.argv(), log_path, env=self.environment())
+        self.warm_up()
 
     def warm_up(self) -> None:
         """A few answers first: a fresh CPU engine is slow on its first steps and streams them in bursts."""
@@ -117,24 +101,3 @@ class VllmServer:
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=120) as resp:
                 resp.read()
-
-    def stop(self) -> None:
-        """End the API server and its engine process (they share a process group)."""
-        process = self.process
-        if process is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-            try:
-                process.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # an engine process left behind
-
-    def log_tail(self, lines: int = 60) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
