@@ -19,7 +19,7 @@ at the same levels. Then the idle TTFT of single requests, each target in turn.
     python benchmarks/overhead.py --targets direct,proxy,bare   # bare aiohttp: the stack's floor
     python benchmarks/overhead.py --baseline ../before   # and an older checkout, side by side
 
-Never run as a timed test: the figures depend on the machine, and the README quotes one run.
+Never run as a timed test: the figures depend on the machine, and docs/overhead.md quotes one run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The concurrency sweep through the proxy against a real vLLM (CPU build): the tables in the README.
+"""The concurrency sweep through the proxy against a real vLLM (CPU build): the tables in docs/vllm.md.
 
 The model (tests/real_servers/vllm/make_tiny_hf_model.py) ends every chat answer with EOS after 250 tokens.
 vLLM runs with a KV cache of 24 blocks of 32 tokens (768 tokens) and a 512-token context:

@@ -82,7 +82,7 @@ async def whole_chat(running: Any, *, max_tokens: int | None, prompt: str = "hel
 async def whole_or_unanswered(running: Any, client: openai.AsyncOpenAI, max_tokens: int) -> ResponseRecord:
     """The record of one whole chat, or of the POST vLLM now and then closes unanswered.
 
-    That close (a pooled connection, at concurrency 8 on two cores; see the README's Reliability
+    That close (a pooled connection, at concurrency 8 on two cores; see docs/reliability.md
     section) is answered 502 `upstream_reset`, and the record must say so; it is no cut of an answer.
     """
     rid = new_id()

@@ -19,7 +19,7 @@ async def test_preemption_without_truncation_is_no_load_effect_naming_the_preemp
     # six instrumented sweeps, two had no record claim one.)
     # A sweep where vLLM closed a connection with a request on it, unanswered, goes again too: the
     # record says so (502 `reset`), and it is no cut of an answer (seen in about one sweep
-    # in four, at level 8; see the README's Reliability section).
+    # in four, at level 8; see docs/reliability.md section).
     tried: list[str] = []
     for _ in range(6):
         outcome, printed = await sweep(vllm, SHORT_PROMPT, levels=(1, 2, 4, 8))
