@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -284,6 +285,7 @@ class Setup:
 
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
+    closers: list[Callable[[], None]] = field(default_factory=list)  # servers started for the run (PostgreSQL)
     pinning: str = "none (fewer than 2 CPUs)"
 
 
@@ -326,7 +328,20 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
               "--log-format", "json"]
     proxy_only = ["--history", str(tmp / "history.sqlite3") if args.history else "off"]
     workers = ["--workers", str(args.workers)] if args.workers != 1 else []
+    history_target = args.history_to
+    if history_target == "postgres":  # a real PostgreSQL of its own, on the generator's cores
+        sys.path.insert(0, str(ROOT))
+        from tests.support.postgres import PASSWORD, PostgresServer
+
+        server = PostgresServer()
+        setup.closers.append(server.close)
+        os.environ["PGPASSWORD"] = PASSWORD
+        history_target = server.url(password=None)
+        if load_cores is not None:
+            postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
+            os.sched_setaffinity(postmaster, load_cores)  # its backends, forked later, inherit it
     for name, command in (("proxy", ["-m", "proxy", "serve", *workers, *proxy_only]),
+                          ("history", ["-m", "proxy", "serve", *workers, "--history", history_target or "off"]),
                           ("baseline", ["-m", "proxy", "serve"]),
                           ("bare", ["benchmarks/bare_passthrough.py"])):
         if name not in args.targets:
@@ -355,6 +370,9 @@ def main() -> int:
                         help="single requests per target, in turn, for the idle TTFT (0 = skip)")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
     parser.add_argument("--history", action="store_true", help="the proxy writes its history (SQLite) meanwhile")
+    parser.add_argument("--history-to", default=None, metavar="postgres|URL|PATH",
+                        help="measure a second proxy, `history`, beside `proxy`, writing its records there: "
+                             "`postgres` starts a real PostgreSQL for the run (tests/support/postgres.py)")
     parser.add_argument("--fixed-rounds", type=int, default=3,
                         help="rounds of --requests per relay for the fixed cost, after a warm-up; the median is shown")
     parser.add_argument("--baseline", type=Path, default=None,
@@ -371,6 +389,8 @@ def main() -> int:
     args.targets = ["direct", *(t for t in args.targets.split(",") if t in TARGETS and t != "direct")]
     if args.baseline is not None:
         args.targets.append("baseline")
+    if args.history_to is not None:
+        args.targets.insert(args.targets.index("proxy") + 1 if "proxy" in args.targets else 1, "history")
     relays = args.targets[1:]
     with tempfile.TemporaryDirectory(prefix="llm-diag-bench-") as tmp:
         setup = start(args, Path(tmp))
@@ -383,6 +403,15 @@ def main() -> int:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     process.kill()
+            for close in setup.closers:
+                close()
+
+
+def history_note(history_to: str | None) -> str:
+    if history_to is None:
+        return ""
+    where = "a PostgreSQL of its own (tests/support/postgres.py)" if history_to == "postgres" else "--history-to"
+    return f"; `history`: the same proxy writing every record to {where}"
 
 
 def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
@@ -394,7 +423,8 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
         pass
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')}: relay overhead, OpenAI chat-completion SSE; proxy --workers "
-          f"{args.workers}, history {'on' if args.history else 'off'}; {os.cpu_count()} CPUs; pinning: {setup.pinning}")
+          f"{args.workers}, history {'on' if args.history else 'off'}{history_note(args.history_to)}; "
+          f"{os.cpu_count()} CPUs; pinning: {setup.pinning}")
     print(f"# unpaced: {args.tokens}-token streams, {args.batch} events per upstream write, {args.rounds} "
           f"closed-loop rounds per level; events per stream = tokens + {EXTRA_EVENTS} (role, finish, usage, DONE)")
     head = f"{'streams':>7} {'direct tok/s':>12}"

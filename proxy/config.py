@@ -232,9 +232,12 @@ class ProxyConfig:
     shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
     parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
     workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/serve/workers.py
-    history_path: str | None = None  # the SQLite history (observers/history.py); None: off (the CLI has a default)
+    history_path: str | None = None  # a SQLite file or a postgresql:// URL (observers/history/); None: off
     history_max_age_s: float = 7 * 86400.0
     history_max_bytes: int = 1 << 30
+    history_buffer: int = 50_000  # records waiting for the history's writer; past it, counted as dropped
+    history_password: str | None = field(default=None, repr=False)  # --history-password-file's
+    instance: str | None = None  # this proxy's name on its records (the CLI's default: host name and port)
     otel: bool = False  # OpenTelemetry spans over OTLP (proxy/observers/tracing.py), configured by the OTEL_* env
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).

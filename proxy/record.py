@@ -129,6 +129,8 @@ class ResponseRecord:
     route: str
     dialect: str  # a name from proxy.wire.dialects.NAMES, or "none" for a route that is not a generation
     started_at: float  # unix time
+    instance: str | None = None  # the proxy that saw it (--instance; default its host name and listen port)
+    upstream: str | None = None  # the server it went to (the upstream URL, credentials taken out)
     model: str | None = None
     stream: bool | None = None
     status: int | None = None

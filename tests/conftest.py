@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from proxy.serve.app import RunningProxy, start_proxy
+from tests.support.postgres import PostgresServer
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import ScriptedUpstream
 
 # `serve` started by a test keeps its history in memory unless the test names a database: no test
-# writes into ~/.local/state (tests/observers/test_history.py gives each proxy a database of its own).
+# writes into ~/.local/state (tests/observers/history/ gives each proxy a database of its own).
 os.environ.setdefault("LLM_DIAG_HISTORY", "off")
 
 
@@ -49,3 +50,22 @@ async def proxy(upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> Running
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session (initdb and pg_ctl in a temporary directory)."""
+    server = PostgresServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def postgres(postgres_server: PostgresServer) -> PostgresServer:
+    """The session's PostgreSQL, running, with no records table (each test makes its own)."""
+    try:
+        postgres_server.psql("SELECT 1")
+    except Exception:
+        postgres_server.start()
+    postgres_server.reset()
+    return postgres_server

@@ -25,6 +25,8 @@ class RecordQuery:
     cause: str | None = None  # ResponseRecord.cause: the label of the request metrics
     outcome: str | None = None  # ResponseRecord.outcome: complete, budget, cut, ...
     concurrency: str | None = None  # the bucket of concurrency_peak: 1, 2, 4, ..., 128+
+    instance: str | None = None  # the proxy that saw it (a fleet's shared history)
+    upstream: str | None = None  # the server it went to
     since: float | None = None
     until: float | None = None
     cursor: int | None = None
@@ -38,6 +40,8 @@ class RecordQuery:
                 and (self.cause is None or record.cause == self.cause)
                 and (self.outcome is None or record.outcome == self.outcome)
                 and (self.concurrency is None or concurrency_bucket(record.concurrency_peak) == self.concurrency)
+                and (self.instance is None or record.instance == self.instance)
+                and (self.upstream is None or record.upstream == self.upstream)
                 and (self.since is None or record.started_at >= self.since)
                 and (self.until is None or record.started_at < self.until))
 

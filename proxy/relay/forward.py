@@ -166,7 +166,8 @@ class Forwarder:
             return self._refuse(request, refusal)
         started = time.monotonic()
         recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
-                                  request.path, limits=self.limits, started=started)
+                                  request.path, limits=self.limits, started=started,
+                                  instance=self.config.instance, upstream=self.config.upstream)
         recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
         tracker = self.concurrency
         slot = tracker.admit() if recorder.inference else None

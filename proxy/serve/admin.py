@@ -15,7 +15,6 @@ import hmac
 import ipaddress
 import math
 import secrets
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -27,7 +26,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from proxy.config import parse_duration
-from proxy.observers.history import History
+from proxy.observers.history import History, HistoryError
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore, page_of
 from proxy.record import CAUSES, CONCURRENCY_BUCKETS, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
@@ -118,6 +117,7 @@ def record_query(query: dict[str, str]) -> RecordQuery:
         cause=_choice(query, "cause", CAUSES), outcome=_choice(query, "outcome", OUTCOMES),
         concurrency=_choice(query, "concurrency", CONCURRENCY_BUCKETS),
         model=query.get("model") or None, route=query.get("route") or None,
+        instance=query.get("instance") or None, upstream=query.get("upstream") or None,
         since=parse_time("since", query["since"]) if query.get("since") else None,
         until=parse_time("until", query["until"]) if query.get("until") else None,
         cursor=cursor, limit=limit)
@@ -301,7 +301,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         since = time.time() - seconds
         admin = f"{request.scheme}://{request.host}"
         if history is not None and history.up:
-            done = await read(request, "diagnose", history.path, since, min_per_level, admin)
+            done = await read(request, "diagnose", history.source, since, min_per_level, admin)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
@@ -346,7 +346,9 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         except BadQuery as exc:
             return _error(400, "bad_request", str(exc))
         if history is not None and history.up:
-            done = await read(request, "history_page", history.path, query)
+            # Read-your-writes: the records handed to the writer before this request are written first.
+            await asyncio.to_thread(history.settle)
+            done = await read(request, "history_page", history.source, query)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
@@ -365,7 +367,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         request_id = request.match_info["request_id"]
         record = store.get(request_id)
         if record is None and history is not None and history.up:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(HistoryError):
                 record = await asyncio.to_thread(history.get, request_id)
         if record is None:
             return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")

@@ -3,7 +3,8 @@ live verdict of the last hour. Plain HTML and a little JavaScript, served by the
 step and nothing loaded from anywhere else, so it works offline.
 
 The page holds no data itself: it reads `/api/requests` and `/api/diagnose` from the same origin.
-Filters live in the URL's fragment (`/#stop_reason=length&model=m`), so a view can be linked;
+Filters (the API's, the proxy instance and the upstream among them) live in the URL's fragment
+(`/#stop_reason=length&instance=pod-3:8080`), so a view can be linked;
 `record=<id>` there opens that record in full.
 """
 
@@ -30,7 +31,8 @@ td.num { text-align: right; } .cut { color: #b00020; font-weight: 600; } .budget
 
 SCRIPT = """
 const CHOICES = JSON.parse(document.getElementById('choices').textContent);
-const FIELDS = ['stop_reason', 'cause', 'outcome', 'concurrency', 'model', 'route', 'since'];
+const FIELDS = ['stop_reason', 'cause', 'outcome', 'concurrency', 'model', 'route', 'instance', 'upstream',
+  'since'];
 const form = document.getElementById('filters');
 function fill(name, values) {
   const select = form.elements[name];
@@ -61,7 +63,7 @@ async function refresh() {
   for (const r of page.records) {
     const row = body.insertRow(); row.dataset.id = r.request_id;
     cell(row, new Date(r.started_at * 1000).toLocaleTimeString());
-    cell(row, r.model || '-'); cell(row, r.route);
+    cell(row, r.instance || '-', 'muted'); cell(row, r.model || '-'); cell(row, r.route);
     cell(row, r.stop_reason, r.outcome === 'cut' ? 'cut' : r.outcome === 'budget' ? 'budget' : '');
     cell(row, r.cause);
     cell(row, (r.output_tokens ?? '-') + ' / ' + (r.requested_max_tokens ?? '-'), 'num');
@@ -140,11 +142,13 @@ def render(choices: dict[str, list[str]]) -> bytes:
 <label>outcome<select name="outcome"><option value="">any</option></select></label>
 <label>concurrency<select name="concurrency"><option value="">any</option></select></label>
 <label>model<input name="model" size="14"></label><label>route<input name="route" size="18"></label>
+<label>instance<input name="instance" size="14"></label><label>upstream<input name="upstream" size="18"></label>
 <label>since<select name="since"><option value="">any time</option>{since}</select></label>
 </form>
 <p id="status" class="muted">loading...</p>
-<table id="records"><thead><tr><th>time</th><th>model</th><th>route</th><th>stop reason</th><th>cause</th>
-<th>output / requested</th><th>concurrency</th><th>TTFT</th><th>request id</th></tr></thead><tbody></tbody></table>
+<table id="records"><thead><tr><th>time</th><th>instance</th><th>model</th><th>route</th><th>stop reason</th>
+<th>cause</th><th>output / requested</th><th>concurrency</th><th>TTFT</th><th>request id</th></tr></thead>
+<tbody></tbody></table>
 <h2>Record</h2><pre id="detail" class="muted">click a record to see it in full</pre>
 <script type="application/json" id="choices">{blob}</script>
 <script>{SCRIPT}</script>

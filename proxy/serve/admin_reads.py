@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import orjson
 import structlog
 
+from proxy.observers.history import HistoryError, HistorySource
 from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
 
@@ -57,30 +57,28 @@ class AdminReadFailed(Exception):
 
 
 # --- in the reader process ---------------------------------------------------------------------
-def history_page(path: str, query: RecordQuery) -> bytes:
+def history_page(source: HistorySource, query: RecordQuery) -> bytes:
     """One page of /api/requests from the history, as the whole JSON body."""
-    from proxy.observers.history import History
-
-    page = History(path, max_age_s=0, max_bytes=0).page(query)
-    return orjson.dumps({"count": len(page.records), "source": "history", "history": path,
+    page = source.backend().page(query)
+    return orjson.dumps({"count": len(page.records), "source": "history", "history": source.shown,
                          "records": [r.to_dict() for r in page.records], "next_cursor": page.next_cursor},
                         default=str)
 
 
-def diagnose(path: str | None, since: float, min_per_level: int, admin: str, blobs: Sequence[bytes] = ()) -> bytes:
+def diagnose(source: HistorySource | None, since: float, min_per_level: int, admin: str,
+             blobs: Sequence[bytes] = ()) -> bytes:
     """The body of /api/diagnose: the records of the history since `since` (or the ring's, sent as
     JSON arrays in `blobs`), grouped and judged as `llm-diag-proxy diagnose` does."""
-    from proxy.observers.history import History
     from proxy.sweep.live import groups_of, verdict_json
 
     records: list[ResponseRecord]
-    if path is not None:
-        records = History(path, max_age_s=0, max_bytes=0).between(since, None, 50_000)
+    if source is not None:
+        records = list(source.backend().iterate(RecordQuery(since=since), 50_000))
     else:
         records = [record_from_dict(item) for blob in blobs for item in orjson.loads(blob)]
     groups = groups_of(records, min_per_level=min_per_level)
     return orjson.dumps(verdict_json(groups, since=since, records=len(records), min_per_level=min_per_level,
-                                     source="history" if path is not None else "memory", admin=admin), default=str)
+                                     source="history" if source is not None else "memory", admin=admin), default=str)
 
 
 JOBS: dict[str, Callable[..., bytes]] = {"history_page": history_page, "diagnose": diagnose}
@@ -108,7 +106,7 @@ def serve(connection: Connection, parent: int, jobs: dict[str, Callable[..., byt
         try:
             body = _call(jobs, name, args, blobs)
             status: tuple[str, str | None] = ("ok", None)
-        except sqlite3.Error as exc:
+        except HistoryError as exc:
             status = ("history", str(exc)[:300])
         except Exception as exc:  # a bug in a read must answer, not leave the proxy waiting
             status = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -220,7 +218,7 @@ class AdminReader:
     def _inline(self, name: str, args: tuple[Any, ...], blobs: list[bytes]) -> bytes:
         try:
             return _call(self.jobs_known, name, args, blobs)
-        except sqlite3.Error as exc:
+        except HistoryError as exc:
             raise AdminReadFailed("history", str(exc)[:300]) from None
 
     def _exchange(self, connection: Connection, name: str, args: tuple[Any, ...],

@@ -29,6 +29,7 @@ from proxy.serve.wiring import (
     RUNNER_SHUTDOWN_S,
     Observing,
     drain,
+    history_shown,
     proxy_application,
     run_loop,
     server_check,
@@ -151,7 +152,8 @@ async def _serve(config: ProxyConfig) -> int:
         return 2
     _log.info("listening", proxy=running.proxy_url, admin=running.admin_url, upstream=config.upstream,
               deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
-              deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s)
+              deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,
+              instance=config.instance, history=history_shown(config))
     try:
         await until_stopped()
     finally:

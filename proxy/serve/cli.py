@@ -19,6 +19,7 @@ from proxy.config import (
     DEFAULT_UPSTREAM,
     CliError,
     ConfigError,
+    HostPort,
     ProxyConfig,
     flag_type,
     parse_duration,
@@ -29,6 +30,7 @@ from proxy.config import (
     parse_seconds,
     parse_size,
     parse_upstream_url,
+    split_credentials,
 )
 
 PROG = "llm-diag-proxy"
@@ -107,9 +109,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
                         metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
                                               "response bodies; beyond it bodies pass unread (default 256 MiB)")
-    parser.add_argument("--history", default=os.environ.get("LLM_DIAG_HISTORY") or None, metavar="PATH|off",
-                        help="keep every record in this SQLite database, across restarts (env LLM_DIAG_HISTORY; "
-                             "default ~/.local/state/llm-diag-proxy/history.sqlite3; off: memory only)")
+    parser.add_argument("--history", default=os.environ.get("LLM_DIAG_HISTORY") or None, metavar="PATH|URL|off",
+                        help="keep every record across restarts: a SQLite file, or postgresql://USER@HOST/DB for one "
+                             "database shared by a fleet of proxies (env LLM_DIAG_HISTORY; default a file per proxy, "
+                             "keyed by its listen address and upstream, in ~/.local/state/llm-diag-proxy; "
+                             "off: memory only)")
+    parser.add_argument("--history-password-file", default=os.environ.get("LLM_DIAG_HISTORY_PASSWORD_FILE") or None,
+                        metavar="FILE", help="the PostgreSQL password, read from this file's first line (env "
+                                             "LLM_DIAG_HISTORY_PASSWORD_FILE; PGPASSWORD and ~/.pgpass work too)")
+    parser.add_argument("--history-buffer", type=flag_type(parse_positive_int), default=50_000, metavar="N",
+                        help="records that wait for the history while it is slow or down; past them records are "
+                             "counted as dropped (default %(default)s)")
+    parser.add_argument("--instance", default=os.environ.get("LLM_DIAG_INSTANCE") or None, metavar="NAME",
+                        help="this proxy's name on its records, to tell replicas apart in a shared history "
+                             "(env LLM_DIAG_INSTANCE; default HOSTNAME:PORT of --listen)")
     parser.add_argument("--history-max-age", type=flag_type(parse_duration), default=7 * 86400.0, metavar="AGE",
                         help="drop history older than this: 90s, 30m, 12h, 7d (default 7d; 0 keeps all)")
     parser.add_argument("--history-max-bytes", type=flag_type(parse_size), default=1 << 30, metavar="SIZE",
@@ -132,13 +145,21 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
                         help="json (the default when stdout is not a terminal) or console")
 
 
-def history_path(value: str | None) -> str | None:
-    """`--history`: a path, `off`, or unset (the default location)."""
-    from proxy.observers.history import default_path
+def history_path(value: str | None, listen: HostPort | None = None, upstream: str = DEFAULT_UPSTREAM) -> str | None:
+    """`--history`: `off`, a file, a postgresql:// URL, or unset: the default file of the proxy on
+    `listen` in front of `upstream` (one file per proxy: two never mix their records)."""
+    from proxy.observers.history import default_path, parse_history
 
     if value is None:
-        return default_path()
-    return None if value.strip().lower() in ("off", "none", "") else value
+        return default_path(str(listen or parse_host_port(DEFAULT_LISTEN)), upstream)
+    return parse_history(value)
+
+
+def default_instance(listen: HostPort) -> str:
+    """HOSTNAME:PORT: in Kubernetes the pod's name, and on one machine the proxy's own port."""
+    import socket
+
+    return f"{socket.gethostname()}:{listen.port if listen.port else f'pid{os.getpid()}'}"
 
 
 def _on_off(value: str, flag: str) -> bool:
@@ -151,10 +172,18 @@ def _on_off(value: str, flag: str) -> bool:
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The ProxyConfig named by serve's flags (defaults from the environment are parsed here too)."""
+    from proxy.observers.history.source import read_password_file
+
     try:
+        upstream = parse_upstream_url(args.upstream)
+        listen = args.listen if not isinstance(args.listen, str) else parse_host_port(args.listen)
+        password_file = getattr(args, "history_password_file", None)
+        instance = (getattr(args, "instance", None) or "").strip()
+        if len(instance) > 200:
+            raise ConfigError("invalid --instance: at most 200 characters")
         return ProxyConfig(
-            upstream=parse_upstream_url(args.upstream),
-            listen=args.listen if not isinstance(args.listen, str) else parse_host_port(args.listen),
+            upstream=upstream,
+            listen=listen,
             admin_listen=(args.admin_listen if not isinstance(args.admin_listen, str)
                           else parse_host_port(args.admin_listen)),
             deadline_s=args.deadline,
@@ -177,9 +206,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             parse_budget_bytes=args.parse_budget,
             workers=getattr(args, "workers", 1),
             otel=getattr(args, "otel", False),
-            history_path=history_path(getattr(args, "history", "off")),
+            history_path=history_path(getattr(args, "history", "off"), listen, split_credentials(upstream)[0]),
             history_max_age_s=getattr(args, "history_max_age", 7 * 86400.0),
             history_max_bytes=getattr(args, "history_max_bytes", 1 << 30),
+            history_buffer=getattr(args, "history_buffer", 50_000),
+            history_password=read_password_file(password_file) if password_file else None,
+            instance=instance or default_instance(listen),
             log_level=args.log_level,
             log_format=args.log_format,
         )

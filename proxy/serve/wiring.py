@@ -79,14 +79,22 @@ def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None],
 
 def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
     """The history database named by the config, its writer started; None when off. One that
-    cannot be opened is logged and stays down (`llm_proxy_history_up 0`): the proxy serves anyway."""
+    cannot be opened is logged and down (`llm_proxy_history_up 0`; a database server is tried
+    again in the background): the proxy serves anyway."""
     if config.history_path is None:
         metrics.history_up.set(0)
         return None
     history = History(config.history_path, max_age_s=config.history_max_age_s, max_bytes=config.history_max_bytes,
-                      metrics=metrics)
+                      metrics=metrics, password=config.history_password, buffer=config.history_buffer)
     history.open()
     return history
+
+
+def history_shown(config: ProxyConfig) -> str:
+    """Where the records go, as the log may say it (a URL's password hidden)."""
+    from proxy.observers.history.source import shown
+
+    return "off" if config.history_path is None else shown(config.history_path)
 
 
 def open_tracer(config: ProxyConfig, metrics: ProxyMetrics) -> Tracer | None:

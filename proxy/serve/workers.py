@@ -451,7 +451,8 @@ async def _supervise(config: ProxyConfig) -> int:
         metrics.workers.set(pool.alive)
         _log.info("listening", proxy=pool.workers[0].url, admin=admin_url, upstream=config.upstream,
                   workers=config.workers, deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
-                  deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s)
+                  deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,
+                  instance=config.instance, history=wiring.history_shown(config))
         await wiring.until_stopped(pool.failed.wait())
         code = 1 if pool.failed.is_set() else 0
     except OSError as exc:

@@ -21,10 +21,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.config import CliError, flag_type, parse_duration, parse_positive_int, parse_upstream_url
+from proxy.config import CliError, ConfigError, flag_type, parse_duration, parse_positive_int, parse_upstream_url
+from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
 from proxy.sweep import export, table
-from proxy.sweep.live import MIN_PER_LEVEL, OBSERVATIONAL, Group, explain, groups_of
+from proxy.sweep.live import BY, MIN_PER_LEVEL, OBSERVATIONAL, Group, compare, explain, groups_of
 from proxy.sweep.session import exit_code
 from proxy.sweep.stats import by_level
 from proxy.sweep.sweep_command import parse_verdicts
@@ -32,16 +33,35 @@ from proxy.sweep.verdict import Verdict
 
 MAX_RECORDS = 200_000
 # --- where the records come from -------------------------------------------------------------
-def from_history(path: str, since: float, until: float | None) -> list[ResponseRecord]:
-    from proxy.observers.history import History
+def from_history(target: str, since: float, until: float | None, password: str | None = None) -> list[ResponseRecord]:
+    """The records of a history (a file or a postgresql:// URL) started in [since, until)."""
+    from proxy.observers.history import HistoryError, HistorySource
 
-    if not Path(path).exists():
-        raise CliError(f"no history database at {path} (the proxy's --history)")
-    history = History(path, max_age_s=0, max_bytes=0)
+    source = HistorySource(target, password)
+    if not source.postgres and not Path(target).exists():
+        raise CliError(f"no history database at {target} (the proxy's --history)")
     try:
-        return history.between(since, until, MAX_RECORDS)
-    except Exception as exc:  # sqlite3.Error and friends: one line, not a traceback
-        raise CliError(f"cannot read the history at {path}: {exc}") from None
+        return list(source.backend().iterate(RecordQuery(since=since, until=until), MAX_RECORDS))
+    except HistoryError as exc:
+        raise CliError(str(exc)) from None
+    except Exception as exc:  # a file that is no database, and friends: one line, not a traceback
+        raise CliError(f"cannot read the history at {source.shown}: {exc}"[:400]) from None
+
+
+def default_history() -> str:
+    """The history of the one proxy of this user that keeps one in the default place; a clear
+    error when there is none, or several to choose from."""
+    from proxy.observers.history import history_files
+    from proxy.observers.history.source import state_directory
+
+    found = history_files()
+    if not found:
+        raise CliError(f"no proxy history in {state_directory()}: pass --history PATH|URL or --admin URL")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found[:5]) + (", ..." if len(found) > 5 else "")
+        raise CliError(f"{len(found)} proxies keep a history in {state_directory()} ({names}): "
+                       f"pass --history with one of them, or --admin URL")
+    return str(found[0])
 
 
 async def from_admin(admin: str, token: str | None, since: float, until: float | None) -> list[ResponseRecord]:
@@ -79,12 +99,19 @@ def register(subparsers: Any) -> None:
                     "dominant cause and where it starts. Observational: it says when a controlled sweep is "
                     "needed to be sure.")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--history", default=None, metavar="PATH",
-                        help="the proxy's history database (default: the proxy's default location)")
+    source.add_argument("--history", default=None, metavar="PATH|URL",
+                        help="the proxy's history: a SQLite file, or the postgresql:// URL a fleet writes to "
+                             "(default: the one proxy history in ~/.local/state/llm-diag-proxy)")
     source.add_argument("--admin", type=flag_type(parse_upstream_url), default=None, metavar="URL",
                         help="a running proxy's admin URL (reads /api/requests)")
     parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
                         help="bearer token of the admin API (env LLM_DIAG_ADMIN_TOKEN)")
+    parser.add_argument("--history-password-file", default=os.environ.get("LLM_DIAG_HISTORY_PASSWORD_FILE") or None,
+                        metavar="FILE", help="the PostgreSQL password, from this file's first line (PGPASSWORD works "
+                                             "too)")
+    parser.add_argument("--by", choices=BY, default=None,
+                        help="a verdict per proxy (instance), per server (upstream) or per model, and a line that "
+                             "names the one that differs from the rest")
     parser.add_argument("--since", type=flag_type(parse_duration), default=3600.0, metavar="AGE",
                         help="records of the last AGE: 30m, 1h, 1d (default 1h)")
     parser.add_argument("--model", default=None, help="only this model")
@@ -107,12 +134,16 @@ def run(args: argparse.Namespace) -> int:
         records = asyncio.run(from_admin(args.admin, args.admin_token, since, None))
         where = args.admin
     else:
-        from proxy.observers.history import default_path
+        from proxy.observers.history.source import parse_history, read_password_file, shown
 
-        path = args.history or os.environ.get("LLM_DIAG_HISTORY") or default_path()
-        records = from_history(path, since, None)
-        where = path
-    groups = groups_of(records, model=args.model, min_per_level=args.min_per_level)
+        try:
+            target = parse_history(args.history or os.environ.get("LLM_DIAG_HISTORY") or "") or default_history()
+            password = read_password_file(args.history_password_file) if args.history_password_file else None
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+        records = from_history(target, since, None, password)
+        where = shown(target)
+    groups = groups_of(records, model=args.model, min_per_level=args.min_per_level, by=args.by)
     admin = args.admin or "http://127.0.0.1:9464"
     out = sys.stdout
     out.write(f"llm-diag-proxy diagnose: {len(records)} records since "
@@ -131,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot write the diagnose files: {exc}") from None
         code = max(code, exit_code(group.verdict, args.fail_on, sys.stderr))
+    if args.by is not None:
+        out.write("\n" + "\n".join(compare(groups, args.by, records)) + "\n")
     out.flush()
     return code
 

@@ -25,18 +25,33 @@ OBSERVATIONAL = ("observational: these are live requests, which differ in prompt
                  "have another cause (confounding)")
 
 
+BY = ("instance", "upstream", "model")  # what `diagnose --by` compares
+NO_EFFECT = ("no_load_effect", "insufficient_data")
+
+
 @dataclass
 class Group:
-    """The comparable records of one model and budget band, by the concurrency they saw."""
+    """The comparable records of one model and budget band (and, with `--by`, of one proxy or
+    server), by the concurrency they saw."""
 
     model: str
     band: str
     samples: list[Sample]
     summaries: list[LevelSummary]
     verdict: Verdict
+    scope: tuple[str, str] | None = None  # ("instance", its name) or ("upstream", its URL) with --by
 
     def name(self) -> str:
-        return f"model {self.model}, budget {self.band}"
+        where = f"{self.scope[0]} {self.scope[1]}, " if self.scope is not None else ""
+        return f"{where}model {self.model}, budget {self.band}"
+
+
+def scope_of(record: ResponseRecord, by: str | None) -> str | None:
+    """The value `--by` groups a record under (None without --by)."""
+    if by is None:
+        return None
+    value = record.model if by == "model" else record.instance if by == "instance" else record.upstream
+    return value or "(none)"
 
 
 def budget_band(budget: int | None) -> str:
@@ -53,16 +68,19 @@ def level_of(record: ResponseRecord) -> int:
 
 
 def groups_of(records: Sequence[ResponseRecord], *, model: str | None = None,
-              min_per_level: int = MIN_PER_LEVEL) -> list[Group]:
-    """The groups worth comparing: inference records, by model and budget band, levels with at least
-    `min_per_level` records, at least two levels; the largest group first."""
-    buckets: dict[tuple[str, str], list[ResponseRecord]] = {}
+              min_per_level: int = MIN_PER_LEVEL, by: str | None = None) -> list[Group]:
+    """The groups worth comparing: inference records, by model and budget band (and by instance or
+    upstream with `by`), levels with at least `min_per_level` records, at least two levels; the
+    largest group first."""
+    buckets: dict[tuple[str | None, str, str], list[ResponseRecord]] = {}
     for record in records:
         if record.outcome == "not_inference" or (model is not None and record.model != model):
             continue
-        buckets.setdefault((record.model or "(none)", budget_band(record.requested_max_tokens)), []).append(record)
+        scope = scope_of(record, by) if by != "model" else None
+        key = (scope, record.model or "(none)", budget_band(record.requested_max_tokens))
+        buckets.setdefault(key, []).append(record)
     found: list[Group] = []
-    for (name, band), members in buckets.items():
+    for (scope, name, band), members in buckets.items():
         samples = [Sample(level_of(r), i, r.request_id, r, "proxy", ClientMeasure(status=r.status))
                    for i, r in enumerate(sorted(members, key=lambda r: r.started_at))]
         levels = {level: group for level, group in by_level(samples).items() if len(group) >= min_per_level}
@@ -73,8 +91,40 @@ def groups_of(records: Sequence[ResponseRecord], *, model: str | None = None,
         summaries = [replace(s, wall_s=None, output_tokens_per_s=None, requests_per_s=None)
                      for s in summarize(kept)]
         verdict = decide(summaries, by_level(kept))
-        found.append(Group(name, band, kept, summaries, verdict))
+        found.append(Group(name, band, kept, summaries, verdict, (by, scope) if by and scope is not None else None))
     return sorted(found, key=lambda g: -len(g.samples))
+
+
+def compare(groups: Sequence[Group], by: str, records: Sequence[ResponseRecord] = ()) -> list[str]:
+    """The comparison `diagnose --by` ends with: which instances (upstreams, models) show a load
+    effect and which do not, the one that differs named, e.g. `instance b:8080: serving_defect,
+    server_limit from concurrency 4; the other 2: no load effect`."""
+    verdicts: dict[str, list[Verdict]] = {}
+    for group in groups:
+        name = group.model if by == "model" else group.scope[1] if group.scope is not None else "(none)"
+        verdicts.setdefault(name, []).append(group.verdict)
+    effects = {name: next(v for v in found if v.kind not in NO_EFFECT)
+               for name, found in sorted(verdicts.items()) if any(v.kind not in NO_EFFECT for v in found)}
+    calm = sorted(name for name, found in verdicts.items()
+                  if name not in effects and any(v.kind == "no_load_effect" for v in found))
+    seen = {scope for r in records if r.outcome != "not_inference" and (scope := scope_of(r, by)) is not None}
+    unjudged = sorted((seen | set(verdicts)) - set(effects) - set(calm))
+    head = f"COMPARISON (by {by}): "
+    tail = f"; {len(unjudged)} more with too few records to compare ({', '.join(unjudged[:5])})" if unjudged else ""
+    if not effects:
+        compared = f"{len(calm)} compared" if calm else "none had records at two concurrency levels"
+        return [f"{head}no {by} shows a load effect ({compared}){tail}"]
+    named = "; ".join(f"{by} {name}: {_effect(verdict)}" for name, verdict in effects.items())
+    if not calm:
+        return [f"{head}every {by} shows it: {named}{tail}"]
+    others = f"the other {len(calm)}" if len(calm) > 1 else f"the other ({calm[0]})"
+    return [f"{head}{named}; {others}: no load effect{tail}"]
+
+
+def _effect(verdict: Verdict) -> str:
+    cause = f", {verdict.cause}" if verdict.cause else ""
+    onset = f" from concurrency {verdict.onset_level}" if verdict.onset_level is not None else ""
+    return f"{verdict.kind}{cause}{onset}"
 
 
 def sweep_command(group: Group, target: str, admin: str) -> str:
@@ -104,6 +154,7 @@ def verdict_json(groups: Sequence[Group], *, since: float, records: int, source:
         "note": ("no model and budget band has records at two concurrency levels with "
                  f"{min_per_level} or more each yet"),
         "groups": [{"name": g.name(), "model": g.model, "band": g.band, "n": len(g.samples),
+                    **({g.scope[0]: g.scope[1]} if g.scope is not None else {}),
                     "levels": [{"level": s.level, "n": s.n, "completion_rate": s.completion_rate,
                                 "output_tokens_median": s.output_tokens_median, "stop_counts": s.stop_counts}
                                for s in g.summaries],

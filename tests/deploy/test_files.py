@@ -580,3 +580,35 @@ def test_k8s_sidecar_is_the_only_way_in_and_runs_locked_down() -> None:
     assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
     assert not security["allowPrivilegeEscalation"] and security["capabilities"]["drop"] == ["ALL"]
     assert containers["llm-diag-proxy"]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_compose_postgres_profile_gives_a_small_fleet_one_history_unpublished() -> None:
+    services = compose()["services"]
+    database = services["postgres"]
+    assert database["profiles"] == ["postgres"] and "ports" not in database
+    assert default_of(database["environment"]["POSTGRES_PASSWORD"]) == ""  # no weak default: the image refuses
+    assert "postgres-data:/var/lib/postgresql/data" in database["volumes"] and "postgres-data" in compose()["volumes"]
+    for name in ("proxy", "proxy-vllm", "proxy-cpu"):
+        env = services[name]["environment"]
+        assert default_of(env["LLM_DIAG_HISTORY"]) == "/var/lib/llm-diag-proxy/history.sqlite3", name
+        assert env["PGPASSWORD"] == "${LLM_DIAG_DB_PASSWORD:-}" and "LLM_DIAG_INSTANCE" in env, name
+
+
+def test_docker_compose_config_accepts_the_postgres_profile_beside_a_server() -> None:
+    result = compose_config("--profile", "cpu", "--profile", "postgres", "config", "-q",
+                            env={"GRAFANA_ADMIN_PASSWORD": "s3cret", "LLM_DIAG_DB_PASSWORD": "db-s3cret",
+                                 "LLM_DIAG_HISTORY": "postgresql://llm_diag@postgres:5432/llm_diag"})
+    assert result.returncode == 0, result.stderr
+
+
+def test_k8s_sidecar_takes_the_fleets_history_from_an_optional_secret_and_names_its_pod() -> None:
+    deployment = next(d for d in yaml.safe_load_all((ROOT / "deploy/k8s/vllm-with-proxy.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    (sidecar,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "llm-diag-proxy"]
+    env = {item["name"]: item for item in sidecar["env"]}
+    for name, key in (("LLM_DIAG_HISTORY", "url"), ("PGPASSWORD", "password")):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "llm-diag-proxy-history", "key": key, "optional": True}, name
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["LLM_DIAG_INSTANCE"]["value"] == "$(POD_NAME):8080"
+    assert list(env).index("POD_NAME") < list(env).index("LLM_DIAG_INSTANCE")  # $(VAR) sees earlier ones only

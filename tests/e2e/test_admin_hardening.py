@@ -146,7 +146,7 @@ async def test_the_history_and_its_wal_and_shm_are_created_private(upstream: Scr
 
 
 def test_a_history_left_world_readable_by_an_older_version_is_closed_down(tmp_path: Path) -> None:
-    from proxy.observers.history import make_private
+    from proxy.observers.history.sqlite import make_private
 
     path = tmp_path / "history.sqlite3"
     for name in (path, Path(f"{path}-wal")):

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from proxy.serve.app import RunningProxy
+from tests.support.postgres import PASSWORD, PostgresServer
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.sweep.test_report_browser import CHROMIUM, FLAGS
@@ -104,3 +105,23 @@ async def test_the_page_is_behind_the_admin_token(upstream: ScriptedUpstream, ma
             assert response.status == 200
     async with aiohttp.ClientSession() as stranger, stranger.get(proxy.admin_url + "/api/diagnose") as response:
         assert response.status == 401
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
+async def test_a_fleets_page_shows_every_instance_and_filters_by_one(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, postgres: PostgresServer) -> None:
+    first = await make_proxy(upstream.url, history_path=postgres.url(), instance="gpu-a:8080")
+    second = await make_proxy(upstream.url, history_path=postgres.url(), instance="gpu-b:8080")
+    for proxy, count in ((first, 2), (second, 3)):
+        async with aiohttp.ClientSession() as client:
+            for n in range(count):
+                upstream.push(EOS)
+                async with client.post(proxy.proxy_url + "/v1/chat/completions", json=CHAT,
+                                       headers={"X-Request-Id": f"{proxy.config.instance}-{n}"}) as response:
+                    await response.read()
+    page = await asyncio.to_thread(dom, first.admin_url + "/")
+    assert page.count('data-id="') == 5 and "5 records (history)" in page and ">gpu-b:8080</td>" in page
+    only = await asyncio.to_thread(dom, first.admin_url + "/#instance=gpu-b%3A8080")
+    assert only.count('data-id="') == 3 and 'data-id="gpu-a:8080-0"' not in only
+    assert PASSWORD not in page + only

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from collections.abc import Callable
 
 import orjson
+
+from proxy.observers.history import HistoryReadError
 
 
 def sleep(seconds: float, tag: str) -> bytes:
@@ -20,7 +21,8 @@ def where() -> bytes:
 
 
 def broken_history() -> bytes:
-    raise sqlite3.OperationalError("database disk image is malformed")
+    """As the SQLite backend says a corrupt file (its sqlite3.Error, in the backend's words)."""
+    raise HistoryReadError("cannot read the history at /x/history.sqlite3: database disk image is malformed")
 
 
 def bug() -> bytes:

@@ -134,12 +134,22 @@ def record(request_id: str, started_at: float) -> ResponseRecord:
                           status=200, output_tokens=10, stop_reason="eos", upstream_error_detail="x" * 2000)
 
 
-def test_the_cli_default_is_a_file_in_the_users_state_directory(tmp_path: Path) -> None:
+def test_the_cli_default_is_a_file_per_proxy_in_the_users_state_directory(tmp_path: Path) -> None:
+    """Keyed by the listen address and the upstream: two proxies on one machine never share a file."""
+    from proxy.config import HostPort
     from proxy.serve.cli import history_path
 
     os.environ["XDG_STATE_HOME"] = str(tmp_path)
     try:
-        assert history_path(None) == str(tmp_path / "llm-diag-proxy" / "history.sqlite3")
+        default = tmp_path / "llm-diag-proxy" / "history-127.0.0.1-8080-to-127.0.0.1-11434.sqlite3"
+        assert history_path(None) == str(default)
+        one = history_path(None, HostPort("127.0.0.1", 8081), "http://10.0.0.5:8000")
+        other = history_path(None, HostPort("127.0.0.1", 8082), "http://10.0.0.5:8000")
+        third = history_path(None, HostPort("127.0.0.1", 8081), "https://gpu-2.internal/v1")
+        assert len({one, other, third}) == 3 and str(one).endswith("history-127.0.0.1-8081-to-10.0.0.5-8000.sqlite3")
+        assert str(third).endswith("history-127.0.0.1-8081-to-https-gpu-2.internal-v1.sqlite3")
+        ephemeral = history_path(None, HostPort("127.0.0.1", 0), "http://10.0.0.5:8000")
+        assert str(ephemeral).endswith(f"-0-pid{os.getpid()}-to-10.0.0.5-8000.sqlite3")
     finally:
         del os.environ["XDG_STATE_HOME"]
     assert history_path("off") is None and history_path("/x/y.db") == "/x/y.db"

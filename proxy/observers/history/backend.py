@@ -1,0 +1,137 @@
+"""What every history backend does, and the row both keep.
+
+A backend holds records in one table, `records`: the columns the queries filter on, and the whole
+record as JSON. Both backends answer the same queries (filters, since/until, a cursor, retention)
+from the same WHERE clause, built here with their placeholder. A write is idempotent on
+(instance, request_id, started_at): a batch sent again after its commit went unconfirmed adds
+nothing, while a client that reuses its X-Request-Id for a new request still gets a new record
+(the request id alone would fold the two into one).
+
+Errors a backend raises, so that the writer knows what to do with a batch:
+- `Unavailable`: the database cannot be reached now (down, restarting, a wrong password); the
+  writer keeps the batch, reconnects with backoff, and records wait in its bounded buffer;
+- `Rejected`: the database refused the batch itself (a full disk, a bad value); the batch is
+  dropped and counted, and the next is tried.
+Reads raise `HistoryReadError`, whose message never holds a password.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import orjson
+
+from proxy.observers.record_store import Page, RecordQuery
+from proxy.record import ResponseRecord, concurrency_bucket
+
+# The columns of a row, in order; `body` is the record as JSON with its None fields left out.
+COLUMNS = ("instance", "upstream", "request_id", "upstream_request_id", "started_at", "model", "route",
+           "stop_reason", "length_cause", "cause", "outcome", "concurrency", "body")
+# The exact-match filters of RecordQuery, each a column.
+FILTERS = ("stop_reason", "model", "route", "length_cause", "cause", "outcome", "concurrency", "instance",
+           "upstream")
+MAX_TEXT = 512  # a column value longer than this is cut (the body keeps the record whole)
+
+
+class HistoryError(Exception):
+    """A history backend's failure, its message safe to show (no password in it)."""
+
+
+class Unavailable(HistoryError):
+    """The database cannot be reached now: keep the batch and try again later."""
+
+
+class Rejected(HistoryError):
+    """The database refused the batch: drop it, count it, go on."""
+
+
+class HistoryReadError(HistoryError):
+    """A read of the history failed."""
+
+
+class Backend(Protocol):
+    """One history database: written by the writer thread, read by admin readers and `diagnose`."""
+
+    shown: str  # where it is, as it may be shown (a URL's password replaced by ***)
+    reconnects: bool  # True: when it cannot be opened, the writer keeps trying (a server may come back)
+
+    def connect(self) -> None:
+        """Open the writer's connection and make the schema; Unavailable or Rejected when it cannot."""
+        ...
+
+    def write(self, records: list[ResponseRecord]) -> None:
+        """Insert a batch in one transaction, idempotently; Unavailable or Rejected when it cannot."""
+        ...
+
+    def retain(self, max_age_s: float, max_bytes: int) -> None:
+        """Delete what is older than `max_age_s` (0: keep) and, where the backend can, the oldest past
+        `max_bytes` (0: no limit)."""
+        ...
+
+    def close(self) -> None:
+        """Close the writer's connection (safe to call when it is not open)."""
+        ...
+
+    def page(self, query: RecordQuery) -> Page:
+        """The newest matching records older than the query's cursor (a row number), as RecordStore.page."""
+        ...
+
+    def get(self, request_id: str) -> ResponseRecord | None:
+        """The newest record with this id (the proxy's, or the upstream's own)."""
+        ...
+
+    def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
+        """Matching records, oldest first, at most `limit`."""
+        ...
+
+    def count(self) -> int:
+        ...
+
+    def size_bytes(self) -> int:
+        """What the records take on disk."""
+        ...
+
+
+def row_of(record: ResponseRecord) -> tuple[Any, ...]:
+    """The row of a record: its query columns and its body."""
+    body = record.to_dict()
+    compact = {name: value for name, value in body.items() if value is not None}
+    return (_text(record.instance) or "", _text(record.upstream), _text(record.request_id),
+            _text(record.upstream_request_id), record.started_at, _text(record.model), _text(record.route),
+            record.stop_reason, record.length_cause, body["cause"], body["outcome"],
+            concurrency_bucket(record.concurrency_peak), orjson.dumps(compact, default=str))
+
+
+def _text(value: str | None) -> str | None:
+    return value if value is None or len(value) <= MAX_TEXT else value[:MAX_TEXT]
+
+
+def where(query: RecordQuery, mark: str) -> tuple[str, tuple[Any, ...]]:
+    """The WHERE clause of a query (empty when it has no condition) and its arguments; `mark` is
+    the backend's placeholder (`?` or `%s`)."""
+    clauses: list[str] = []
+    args: list[Any] = []
+    for name in FILTERS:
+        value = getattr(query, name)
+        if value is not None:
+            clauses.append(f"{name} = {mark}")
+            args.append(value)
+    for condition, value in (("started_at >=", query.since), ("started_at <", query.until), ("seq <", query.cursor)):
+        if value is not None:
+            clauses.append(f"{condition} {mark}")
+            args.append(value)
+    return ("WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
+
+
+def page_from_rows(rows: list[tuple[int, Any]], limit: int) -> Page:
+    """A page from `limit + 1` rows of (seq, body), newest first: the extra row says another page follows."""
+    records = [record_from_body(body) for _, body in rows[:limit]]
+    return Page(records, rows[limit - 1][0] if len(rows) > limit else None)
+
+
+def record_from_body(body: Any) -> ResponseRecord:
+    """A record from its stored body (JSON bytes or text, or a dict a driver already decoded)."""
+    from proxy.record import record_from_dict
+
+    return record_from_dict(body if isinstance(body, dict) else orjson.loads(body))

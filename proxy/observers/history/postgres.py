@@ -1,0 +1,206 @@
+"""The fleet's history: one PostgreSQL that every proxy writes to (psycopg 3), `--history postgresql://…`.
+
+One table, `llm_diag_records`, made by the first proxy that connects (under an advisory lock,
+so that proxies starting together do not race). A batch is one INSERT of arrays (`unnest`),
+`ON CONFLICT DO NOTHING` on (instance, request_id, started_at). The body is JSONB, so an operator
+can ask the records anything in SQL.
+
+The password comes from the URL, from `PGPASSWORD` or `~/.pgpass` (libpq reads them), or from a
+file (`--history-password-file`); it is never shown: errors are scrubbed of it, the URL is shown
+with `***`. Retention is by age: each proxy deletes what is older than its `--history-max-age`
+(the same rows, whichever proxy it is); the size of a shared database is its operator's to watch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from proxy.config import redact_url
+from proxy.observers.history.backend import (
+    COLUMNS,
+    HistoryReadError,
+    Rejected,
+    Unavailable,
+    page_from_rows,
+    record_from_body,
+    row_of,
+    where,
+)
+from proxy.observers.record_store import Page, RecordQuery
+from proxy.record import ResponseRecord
+
+TABLE = "llm_diag_records"
+SCHEMA_LOCK = 0x6C6C6D64  # pg_advisory_xact_lock key: one proxy makes the schema at a time
+CONNECT_TIMEOUT_S = 5
+STATEMENT_TIMEOUT_MS = 30_000  # a write or a delete that hangs longer is given up (and retried)
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    instance TEXT NOT NULL,
+    upstream TEXT,
+    request_id TEXT NOT NULL,
+    upstream_request_id TEXT,
+    started_at DOUBLE PRECISION NOT NULL,
+    model TEXT, route TEXT, stop_reason TEXT, length_cause TEXT, cause TEXT, outcome TEXT, concurrency TEXT,
+    body JSONB NOT NULL,
+    CONSTRAINT {TABLE}_key UNIQUE (instance, request_id, started_at)
+);
+CREATE INDEX IF NOT EXISTS {TABLE}_started_at ON {TABLE} (started_at);
+CREATE INDEX IF NOT EXISTS {TABLE}_request_id ON {TABLE} (request_id);
+CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id ON {TABLE} (upstream_request_id)
+    WHERE upstream_request_id IS NOT NULL;
+"""
+_TYPES = ("text", "text", "text", "text", "float8", "text", "text", "text", "text", "text", "text", "text", "jsonb")
+INSERT = (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) SELECT * FROM unnest("
+          + ", ".join(f"%s::{kind}[]" for kind in _TYPES) + ") ON CONFLICT DO NOTHING")
+_NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+class PostgresBackend:
+    """One PostgreSQL database: the writer's connection, and a connection per read."""
+
+    reconnects = True  # a server that is down, restarting or refusing now may answer later
+
+    def __init__(self, url: str, password: str | None = None) -> None:
+        self.url = url
+        self.shown = redact_url(url)
+        self._password = password
+        self._connection: psycopg.Connection[Any] | None = None
+
+    def _connect(self, **options: Any) -> psycopg.Connection[Any]:
+        extra: dict[str, Any] = {"password": self._password} if self._password is not None else {}
+        return psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S, application_name="llm-diag-proxy",
+                               keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+                               **extra, **options)
+
+    def _safe(self, exc: BaseException) -> str:
+        """An error's message, one line, without the password (libpq's do not show it; made sure)."""
+        text = " ".join(str(exc).split())[:300] or type(exc).__name__
+        for secret in (self._password, _password_of(self.url)):
+            if secret:
+                text = text.replace(secret, "***")
+        return redact_url(text)
+
+    # --- the writer -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        self.close()
+        try:
+            connection = self._connect(options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}")
+            with connection.transaction():
+                connection.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                connection.execute(SCHEMA)
+        except psycopg.Error as exc:
+            raise self._failure(exc) from None
+        self._connection = connection
+
+    def write(self, records: list[ResponseRecord]) -> None:
+        if self._connection is None:
+            self.connect()
+        assert self._connection is not None
+        columns: list[list[Any]] = [[] for _ in COLUMNS]
+        for record in records:
+            for index, value in enumerate(row_of(record)):
+                columns[index].append(value)
+        columns = [[_no_nul(value) for value in column] for column in columns[:-1]] + [
+            [_NUL_ESCAPE.sub(rb"\1\\ufffd", body).decode() for body in columns[-1]]]
+        try:
+            with self._connection.transaction():
+                self._connection.execute(INSERT, columns)
+        except psycopg.Error as exc:
+            raise self._failure(exc) from None
+
+    def retain(self, max_age_s: float, max_bytes: int) -> None:
+        if max_age_s <= 0:
+            return
+        if self._connection is None:
+            self.connect()
+        assert self._connection is not None
+        try:
+            with self._connection.transaction():
+                self._connection.execute(f"DELETE FROM {TABLE} WHERE started_at < %s", (time.time() - max_age_s,))
+        except psycopg.Error as exc:
+            raise self._failure(exc) from None
+
+    def close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._connection.close()
+            self._connection = None
+
+    def _failure(self, exc: psycopg.Error) -> Unavailable | Rejected:
+        """Unavailable for what may pass (the server down, restarting, refusing the login, slow, or
+        the connection gone), Rejected for what the batch itself did."""
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            self.close()
+            return Unavailable(self._safe(exc))
+        return Rejected(self._safe(exc))
+
+    # --- reading --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[psycopg.Connection[Any]]:
+        try:
+            connection = self._connect(options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS * 4}")
+        except psycopg.Error as exc:
+            raise HistoryReadError(f"cannot read the history at {self.shown}: {self._safe(exc)}") from None
+        try:
+            connection.read_only = True
+            yield connection
+        except psycopg.Error as exc:
+            raise HistoryReadError(f"cannot read the history at {self.shown}: {self._safe(exc)}") from None
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                connection.close()
+
+    def page(self, query: RecordQuery) -> Page:
+        clause, args = where(query, "%s")
+        with self._reader() as connection:
+            rows = connection.execute(f"SELECT seq, body::text FROM {TABLE} {clause} ORDER BY seq DESC LIMIT %s",
+                                      (*args, query.limit + 1)).fetchall()
+        return page_from_rows(rows, query.limit)
+
+    def get(self, request_id: str) -> ResponseRecord | None:
+        with self._reader() as connection:
+            row = connection.execute(f"SELECT body::text FROM {TABLE} WHERE request_id = %s OR "
+                                     f"upstream_request_id = %s ORDER BY seq DESC LIMIT 1",
+                                     (request_id, request_id)).fetchone()
+        return record_from_body(row[0]) if row else None
+
+    def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
+        clause, args = where(query, "%s")
+        with self._reader() as connection, connection.transaction(), connection.cursor(name="records") as cursor:
+            cursor.itersize = 2000
+            cursor.execute(f"SELECT body::text FROM {TABLE} {clause} ORDER BY seq LIMIT %s", (*args, limit))
+            for (body,) in cursor:
+                yield record_from_body(body)
+
+    def count(self) -> int:
+        with self._reader() as connection:
+            row = connection.execute(sql.SQL("SELECT COUNT(*) FROM {}").format(sql.Identifier(TABLE))).fetchone()
+        return int(row[0]) if row else 0
+
+    def size_bytes(self) -> int:
+        with self._reader() as connection:
+            row = connection.execute("SELECT pg_total_relation_size(%s)", (TABLE,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+
+def _password_of(url: str) -> str | None:
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return None
+    return unquote(password) if password else None
+
+
+def _no_nul(value: Any) -> Any:
+    """PostgreSQL's text holds no NUL character; a record's may (a model name a client sent)."""
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) and "\x00" in value else value

@@ -1,0 +1,266 @@
+"""The history's writer: an observer like the others, with a thread of its own.
+
+`on_response` puts the record in a bounded buffer and returns; the writer thread takes them in
+batches (one transaction each, at most FLUSH_S after the first), so the event loop never waits on
+a disk or a database. Retention runs on that thread too.
+
+When the database fails, the traffic is untouched and the proxy says so once: one log line,
+`llm_proxy_history_up 0`, and a count of the records not kept (`llm_proxy_history_dropped`).
+- A database that cannot be reached (PostgreSQL down, restarting, refusing the login, slow): the
+  writer holds its batch and reconnects with backoff (BACKOFF_MIN_S doubling to BACKOFF_MAX_S);
+  records wait in the buffer (`buffer` records, plus the batch in hand) and past it are counted
+  as dropped. When it answers again, one line says so and the buffer is written.
+- A batch the database refuses (a full disk, a file that cannot be written): that batch is
+  counted as dropped and the writer goes on with the next.
+
+Read-your-writes: `settle()` waits until every record handed to the writer before it was written
+(or counted as dropped), cutting the batch's wait short, so that a page listed right after a
+response holds its record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+
+from proxy.observers.history.backend import Backend, HistoryError, Rejected, Unavailable
+from proxy.observers.history.source import HistorySource
+from proxy.observers.hooks import Observer
+from proxy.observers.record_store import Page, RecordQuery
+from proxy.record import ResponseRecord
+
+_log = structlog.get_logger("llm_diag_proxy")
+BUFFER = 50_000  # records waiting for the writer; past it they are counted as dropped
+BATCH_MAX = 1_000
+FLUSH_S = 0.2  # the longest a record waits before its batch is written
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+SETTLE_S = 2.0  # the longest a listing waits for the records before it to be written
+_FLUSH = object()  # in the buffer: write what is in hand now (a listing waits for it)
+_STOP = object()
+
+
+class History(Observer):
+    """The writer (an observer) and the reader of one history database."""
+
+    def __init__(self, target: str, *, max_age_s: float, max_bytes: int, metrics: Any = None,
+                 page_limit: int | None = None, password: str | None = None, buffer: int = BUFFER) -> None:
+        self.source = HistorySource(target, password)
+        self.backend: Backend = self.source.backend(page_limit=page_limit)
+        self.path = target  # what a reader opens (with `source`): a file path or a URL
+        self.shown = self.source.shown
+        self.retention_every_s = self.source.retention_every_s
+        self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self.buffer = buffer
+        self._metrics = metrics
+        self._queue: queue.Queue[object] = queue.Queue(buffer)
+        self._flush_asked = False  # a flush mark is in the buffer
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.up = False
+        self.dropped = 0
+        self.written = 0
+        self._handed = 0  # records put in the buffer (on the event loop's thread)
+        self._settled = 0  # of those, written or counted as dropped (on the writer's thread)
+        self._progress = threading.Condition()
+        self._failing: str | None = None
+        self._retained_at = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def open(self) -> bool:
+        """Open the database and start the writer. False (logged) when it cannot be opened now: a
+        file stays down (memory only); a database server is tried again in the background."""
+        connected = True
+        try:
+            self.backend.connect()
+        except HistoryError as exc:
+            connected = False
+            self._failed("history_unavailable", str(exc))
+            if not self.backend.reconnects:
+                return False
+        if connected:
+            self._set_up(True)
+        self._thread = threading.Thread(target=self._run, args=(connected,), name="llm-diag-history", daemon=True)
+        self._thread.start()
+        return connected
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is buffered (bounded by `timeout_s`) and stop the writer; what could not be
+        written by then is counted as dropped."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        with contextlib.suppress(queue.Full):  # full: the stop event alone ends it once the buffer is written
+            self._queue.put_nowait(_STOP)
+        self._thread.join(timeout_s)
+        self._thread = None
+        left = self._handed - self._settled
+        if left > 0:
+            self._dropped(left)
+
+    # --- the observer -------------------------------------------------------------------------
+    def on_response(self, record: ResponseRecord) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self._dropped(1)
+            return
+        self._handed += 1
+
+    def settle(self, timeout_s: float = SETTLE_S) -> bool:
+        """Wait until what was handed to the writer before this call is written or counted as
+        dropped; False when that did not happen within `timeout_s` (or the writer is down)."""
+        target = self._handed
+        if self._thread is None or not self.up:
+            return False
+        if self._settled >= target:
+            return True
+        if not self._flush_asked:
+            self._flush_asked = True
+            try:
+                self._queue.put_nowait(_FLUSH)
+            except queue.Full:
+                self._flush_asked = False  # full: the writer writes whole batches without waiting anyway
+        with self._progress:
+            return self._progress.wait_for(lambda: self._settled >= target, timeout_s)
+
+    # --- the writer thread --------------------------------------------------------------------
+    def _run(self, connected: bool) -> None:
+        backoff = BACKOFF_MIN_S
+        batch: list[ResponseRecord] = []
+        stopping = False
+        while True:
+            if not connected:
+                if stopping or self._stopping.wait(backoff):
+                    break
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                try:
+                    self.backend.connect()
+                except HistoryError as exc:
+                    self._failed("history_write_failed", str(exc))
+                    continue
+                connected, backoff = True, BACKOFF_MIN_S
+                self._recovered()
+            if not batch:
+                batch, stopping = self._collect()
+            if batch:
+                try:
+                    self.backend.write(batch)
+                except Unavailable as exc:  # kept: written once the database answers again
+                    connected = False
+                    self._failed("history_write_failed", str(exc))
+                    continue
+                except Rejected as exc:
+                    self._done(0, len(batch))
+                    self._failed("history_write_failed", str(exc))
+                else:
+                    self._done(len(batch), 0)
+                    self._recovered()
+                batch = []
+            try:
+                self._retain()
+            except Unavailable as exc:
+                connected = False
+                self._failed("history_write_failed", str(exc))
+            except Rejected as exc:
+                self._failed("history_write_failed", str(exc))
+            if stopping:
+                break
+        self.backend.close()
+
+    def _collect(self) -> tuple[list[ResponseRecord], bool]:
+        """The next batch: what comes within FLUSH_S of its first record (or until a flush mark),
+        at most BATCH_MAX; and whether the stop mark came."""
+        batch: list[ResponseRecord] = []
+        try:
+            item = self._queue.get(timeout=1.0)
+        except queue.Empty:
+            return batch, self._stopping.is_set() and self._queue.empty()
+        deadline = time.monotonic() + FLUSH_S
+        while True:
+            if item is _STOP:
+                return batch, True
+            if item is _FLUSH:
+                self._flush_asked = False
+                return batch, False
+            assert isinstance(item, ResponseRecord)
+            batch.append(item)
+            if len(batch) >= BATCH_MAX:
+                return batch, False
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return batch, False
+
+    def _done(self, written: int, dropped: int) -> None:
+        self.written += written
+        if dropped:
+            self._dropped(dropped)
+        with self._progress:
+            self._settled += written + dropped
+            self._progress.notify_all()
+
+    def _retain(self) -> None:
+        now = time.monotonic()
+        if now - self._retained_at < self.retention_every_s:
+            return
+        self._retained_at = now
+        self.backend.retain(self.max_age_s, self.max_bytes)
+
+    def _failed(self, event: str, error: str) -> None:
+        """One log line when writing starts failing (not one per batch or per retry)."""
+        if self._failing is None:
+            note = ("records wait in a bounded buffer (--history-buffer) while the writer reconnects; past it they "
+                    "are counted as dropped (llm_proxy_history_dropped); the proxy keeps serving"
+                    if self.backend.reconnects else
+                    "records it cannot take are counted as dropped (llm_proxy_history_dropped); the in-memory ring "
+                    "still answers and the proxy keeps serving")
+            _log.error(event, history=self.shown, error=error[:300], note=note)
+        self._failing = error
+        self._set_up(False)
+
+    def _recovered(self) -> None:
+        if self._failing is not None:
+            _log.info("history_recovered", history=self.shown, note="records are written again")
+            self._failing = None
+        self._set_up(True)
+
+    def _dropped(self, count: int) -> None:
+        self.dropped += count
+        if self._metrics is not None:
+            self._metrics.history_dropped.inc(count)
+
+    def _set_up(self, up: bool) -> None:
+        self.up = up
+        if self._metrics is not None:
+            self._metrics.history_up.set(1 if up else 0)
+
+    # --- reading (each read opens its own connection) -------------------------------------------
+    def page(self, query: RecordQuery) -> Page:
+        """The newest matching records older than the query's cursor (a row number), as RecordStore.page."""
+        return self.backend.page(query)
+
+    def get(self, request_id: str) -> ResponseRecord | None:
+        return self.backend.get(request_id)
+
+    def between(self, since: float | None, until: float | None = None, limit: int = 200_000) -> list[ResponseRecord]:
+        """Records started in [since, until), oldest first (for diagnose)."""
+        return list(self.iterate(RecordQuery(since=since, until=until), limit))
+
+    def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
+        return self.backend.iterate(query, limit)
+
+    def count(self) -> int:
+        return self.backend.count()
+
+    def size_bytes(self) -> int:
+        return self.backend.size_bytes()
