@@ -31,6 +31,7 @@ from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore, page_of
 from proxy.record import CAUSES, CONCURRENCY_BUCKETS, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
 from proxy.serve.admin_reads import AdminBusy, AdminReaders, AdminReadFailed, Blobs, json_arrays
+from proxy.sweep.live import BY
 
 _log = structlog.get_logger("llm_diag_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -217,7 +218,7 @@ def allowed_host(host: str, names: frozenset[str]) -> bool:
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
                     ready: Callable[[], bool] = lambda: True, history: History | None = None,
                     allowed_hosts: frozenset[str] = frozenset(),
-                    readers: AdminReaders | None = None) -> web.Application:
+                    readers: AdminReaders | None = None, instance: str | None = None) -> web.Application:
     sessions = Sessions(token) if token else None
     readers = readers or AdminReaders()
 
@@ -298,19 +299,30 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             return _error(400, "bad_request", "since is seconds, min_per_level an integer")
         if not (0 < seconds <= 366 * 86400 and 1 <= min_per_level <= 1000):
             return _error(400, "bad_request", "since must be 0 to a year of seconds, min_per_level 1 to 1000")
+        by = request.query.get("by") or None
+        if by is not None and by not in BY:
+            return _error(400, "bad_request", f"by is one of {', '.join(BY)}")
         since = time.time() - seconds
         admin = f"{request.scheme}://{request.host}"
+        asked = request.query.get("instance") or None
         if history is not None and history.up:
-            done = await read(request, "diagnose", history.source, since, min_per_level, admin)
+            # A fleet's shared history holds every replica's records, and a verdict mixes none of
+            # them: by default it is this proxy's own; `by=instance` judges each and names the one
+            # that differs.
+            shared = history.source.postgres and by is None and asked is None
+            query = RecordQuery(since=since, instance=instance if shared else asked)
+            done = await read(request, "diagnose", history.source, query, min_per_level, admin, by)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
                 return _read_failed(done)
 
-        async def ring() -> list[bytes]:
-            return await json_arrays([r for _, r in store.snapshot() if r.started_at >= since])
+        query = RecordQuery(since=since, instance=asked)
 
-        done = await read(request, "diagnose", None, since, min_per_level, admin, blobs=ring)
+        async def ring() -> list[bytes]:
+            return await json_arrays([r for _, r in store.snapshot() if query.matches(r)])
+
+        done = await read(request, "diagnose", None, query, min_per_level, admin, by, blobs=ring)
         return _read_failed(done) if isinstance(done, AdminReadFailed) else done
 
     async def metrics_page(request: web.Request) -> web.Response:

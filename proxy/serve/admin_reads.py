@@ -65,20 +65,26 @@ def history_page(source: HistorySource, query: RecordQuery) -> bytes:
                         default=str)
 
 
-def diagnose(source: HistorySource | None, since: float, min_per_level: int, admin: str,
-             blobs: Sequence[bytes] = ()) -> bytes:
-    """The body of /api/diagnose: the records of the history since `since` (or the ring's, sent as
-    JSON arrays in `blobs`), grouped and judged as `llm-diag-proxy diagnose` does."""
-    from proxy.sweep.live import groups_of, verdict_json
+def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: int, admin: str,
+             by: str | None = None, blobs: Sequence[bytes] = ()) -> bytes:
+    """The body of /api/diagnose: the records of the history that match `query` (or the ring's,
+    sent as JSON arrays in `blobs`), grouped (`by` instance, upstream or model too) and judged as
+    `llm-diag-proxy diagnose` does."""
+    from proxy.sweep.live import compare, groups_of, verdict_json
 
     records: list[ResponseRecord]
     if source is not None:
-        records = list(source.backend().iterate(RecordQuery(since=since), 50_000))
+        records = list(source.backend().iterate(query, 50_000))
     else:
         records = [record_from_dict(item) for blob in blobs for item in orjson.loads(blob)]
-    groups = groups_of(records, min_per_level=min_per_level)
-    return orjson.dumps(verdict_json(groups, since=since, records=len(records), min_per_level=min_per_level,
-                                     source="history" if source is not None else "memory", admin=admin), default=str)
+    groups = groups_of(records, min_per_level=min_per_level, by=by)
+    found = verdict_json(groups, since=query.since or 0.0, records=len(records), min_per_level=min_per_level,
+                         source="history" if source is not None else "memory", admin=admin)
+    if query.instance is not None:
+        found["instance"] = query.instance
+    if by is not None:
+        found["comparison"] = compare(groups, by, records)[0]
+    return orjson.dumps(found, default=str)
 
 
 JOBS: dict[str, Callable[..., bytes]] = {"history_page": history_page, "diagnose": diagnose}

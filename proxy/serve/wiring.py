@@ -136,7 +136,8 @@ class Observing:
         """The admin listener's application over these records."""
         probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
         return build_admin_app(self.store, self.metrics, probe, config.admin_token, ready=ready,
-                               history=self.history, allowed_hosts=config.admin_allowed_hosts, readers=readers)
+                               history=self.history, allowed_hosts=config.admin_allowed_hosts, readers=readers,
+                               instance=config.instance)
 
     async def close(self) -> None:
         """Stop the pollers; write what the history and the span exporter still hold."""

@@ -46,6 +46,18 @@ async def test_three_proxies_write_one_database_and_diagnose_names_the_replica_t
         await asyncio.gather(*(sweep_through(proxy, SCENARIOS["healthy"].model) for proxy in proxies))
         for proxy in proxies:
             assert proxy.history is not None and await asyncio.to_thread(proxy.history.settle, 10.0)
+        async with aiohttp.ClientSession() as client:
+            verdicts = []
+            for proxy in proxies:  # each proxy's own live verdict: the shared records are not mixed
+                async with client.get(proxy.admin_url + "/api/diagnose?min_per_level=3") as response:
+                    verdicts.append(orjson.loads(await response.read()))
+            async with client.get(proxies[0].admin_url + "/api/diagnose?min_per_level=3&by=instance") as response:
+                fleet = orjson.loads(await response.read())
+        assert [found["instance"] for found in verdicts] == ["gpu-a:8080", "gpu-b:8080", "gpu-c:8080"]
+        assert [found["groups"][0]["verdict"]["kind"] for found in verdicts] == [
+            "no_load_effect", "no_load_effect", "serving_defect"]
+        assert fleet["comparison"].startswith("COMPARISON (by instance): instance gpu-c:8080: serving_defect")
+        assert sorted(group["instance"] for group in fleet["groups"]) == ["gpu-a:8080", "gpu-b:8080", "gpu-c:8080"]
     finally:
         for proxy in proxies:
             await proxy.close()
