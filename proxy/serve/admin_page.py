@@ -105,7 +105,14 @@ async function verdict() {
   const response = await fetch('api/diagnose?since=3600');
   if (!response.ok) { box.textContent = 'no verdict: HTTP ' + response.status; return; }
   const found = await response.json(); box.replaceChildren();
-  if (!found.groups.length) { box.textContent = found.note; return; }
+  for (const t of found.timeouts || []) {
+    const div = document.createElement('div'); div.className = 'verdict timeout';
+    const head = document.createElement('strong'); head.textContent = 'A timeout in the path (' + t.side + ' side)';
+    const text = document.createElement('p'); text.textContent = t.text; div.append(head, text); box.appendChild(div);
+  }
+  if (!found.groups.length) {
+    const p = document.createElement('p'); p.textContent = found.note; box.appendChild(p); return;
+  }
   for (const g of found.groups) {
     const div = document.createElement('div'); div.className = 'verdict ' + g.verdict.kind;
     const head = document.createElement('strong');

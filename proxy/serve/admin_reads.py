@@ -71,6 +71,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     sent as JSON arrays in `blobs`), grouped (`by` instance, upstream or model too) and judged as
     `llm-diag-proxy diagnose` does."""
     from proxy.sweep.live import compare, groups_of, verdict_json
+    from proxy.sweep.timeouts import repeated_cuts
 
     records: list[ResponseRecord]
     if source is not None:
@@ -80,6 +81,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     groups = groups_of(records, min_per_level=min_per_level, by=by)
     found = verdict_json(groups, since=query.since or 0.0, records=len(records), min_per_level=min_per_level,
                          source="history" if source is not None else "memory", admin=admin)
+    found["timeouts"] = [cut.to_dict() for cut in repeated_cuts(records)]
     if query.instance is not None:
         found["instance"] = query.instance
     if by is not None:

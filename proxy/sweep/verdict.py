@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
+from proxy.sweep import timeouts
 from proxy.sweep.limits import CONTEXT_SLACK, characterise
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import (
@@ -83,8 +84,10 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level;
     `server` is what the server says of its context, to name a length limit by its number."""
     verdict = _decide(summaries, groups, client_timeout_s, server)
-    shifted = _context_shift_line([s.record for samples in groups.values() for s in samples], server)
-    return replace(verdict, evidence=(*verdict.evidence, shifted)) if shifted else verdict
+    records = [s.record for samples in groups.values() for s in samples]
+    shifted = _context_shift_line(records, server)
+    found = [*([shifted] if shifted else []), *timeouts.lines(records)]
+    return replace(verdict, evidence=(*verdict.evidence, *found)) if found else verdict
 
 
 def _context_shift_line(records: Sequence[ResponseRecord], server: ServerInfo | None) -> str | None:
