@@ -67,6 +67,7 @@ class Verdict:
     evidence: tuple[str, ...]
     recommendation: str
     length_difference: Interval | None = None
+    baseline: str | None = None  # what cuts answers at every level, where a load effect comes on top of it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +75,8 @@ class Verdict:
     def text(self) -> str:
         """The verdict as printed: headline, evidence lines, recommendation."""
         lines = [f"VERDICT ({self.kind}{', inferred' if self.inferred else ''}): {self.headline}"]
+        if self.baseline is not None:
+            lines.append(f"  and at every level, the baseline: {self.baseline}")
         lines += [f"  - {line}" for line in self.evidence]
         lines.append(f"  => {self.recommendation}")
         return "\n".join(lines)
@@ -118,7 +121,8 @@ def _decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sam
                                            [float(output_tokens(s.record)) for s in groups[top.level]])
     latency = _latency_line(base, top)
     if base.completion_rate < BASELINE_MIN_COMPLETION:
-        return _baseline_truncation(base, groups[base.level], latency, client_timeout_s, server)
+        baseline = _baseline_truncation(base, groups[base.level], latency, client_timeout_s, server)
+        return _beyond_baseline(summaries, groups, baseline, client_timeout_s, server) or baseline
     onset = next((s for s in summaries[1:]
                   if base.completion_rate - s.completion_rate >= COMPLETION_DROP
                   and s.n - s.complete >= MIN_CUT), None)
@@ -164,6 +168,67 @@ def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency:
         cause, base.level, False,
         (f"{count} of {base.n} responses at concurrency {base.level} ended with {cause}", *detail, latency),
         advice)
+
+
+def _beyond_baseline(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]], baseline: Verdict,
+                     client_timeout_s: float | None, server: ServerInfo | None) -> Verdict | None:
+    """What load adds on top of a baseline: a cause that appears with concurrency (clients giving
+    up, errors, rejections) or one that grows (a server limit cutting more). The baseline's own
+    cause growing counts too, but for the client's budget: more budget stops is no load effect."""
+    base = summaries[0]
+    kept = baseline.cause
+
+    def load_cuts(level: int) -> list[Sample]:
+        return [s for s in groups[level] if not is_complete(s.record) and stop_label(s.record) != kept]
+
+    def kept_cuts(level: int) -> list[Sample]:
+        return [s for s in groups[level] if stop_label(s.record) == kept]
+
+    grows = kept is not None and kept != "length:requested_budget"
+    onset, cause_of = None, ""
+    for summary in summaries[1:]:
+        new = len(load_cuts(summary.level))
+        if new - summary.n * len(load_cuts(base.level)) / base.n >= max(MIN_CUT, COMPLETION_DROP * summary.n):
+            onset, cause_of = summary, "new"
+            break
+        more = len(kept_cuts(summary.level)) / summary.n - len(kept_cuts(base.level)) / base.n
+        if grows and more >= COMPLETION_DROP and len(kept_cuts(summary.level)) - len(kept_cuts(base.level)) >= MIN_CUT:
+            onset, cause_of = summary, "grown"
+            break
+    if onset is None:
+        return None
+    affected = [s for s in summaries if s.level >= onset.level]
+    if cause_of == "grown":
+        assert kept is not None
+        cause, picked = kept, kept_cuts
+    else:
+        found = Counter(stop_label(s.record) for summary in affected for s in load_cuts(summary.level))
+        cause = found.most_common(1)[0][0]
+
+        def picked(level: int) -> list[Sample]:
+            return [s for s in load_cuts(level) if stop_label(s.record) == cause]
+    by_level_cut = {summary.level: picked(summary.level) for summary in affected}
+    cut_samples = [s for cut in by_level_cut.values() for s in cut]
+    words, explained, remedy = _cause_words(cause, cut_samples, server, by_level_cut)
+    shares = ", ".join(f"c={s.level}: {len(picked(s.level))}/{s.n}" for s in summaries)
+    evidence = (f"{cause} by concurrency: {shares}" + (" (it grows with load)" if cause_of == "grown" else
+                                                       " (it comes with load)"),
+                *explained, *_cause_detail(cause, cut_samples, client_timeout_s),
+                f"the baseline, already at c={base.level}: " + "; ".join(baseline.evidence[:1]),
+                _completion_line(summaries))
+    if cause in POLICY_CAUSES:
+        name = _policy_name(cause, client_timeout_s)
+        return Verdict(
+            "policy", f"{name} ends answers from concurrency {onset.level}, on top of a baseline", cause, onset.level,
+            False, evidence,
+            f"disclose this policy ({name}, from concurrency {onset.level}) and set capacity below {onset.level} "
+            f"concurrent requests, or raise the limit; and for the baseline: {baseline.recommendation}",
+            baseline=baseline.headline)
+    return Verdict(
+        "serving_defect", f"answers are cut by {cause} from concurrency {onset.level}, on top of a baseline: {words}",
+        cause, onset.level, False, evidence,
+        f"a serving defect: {remedy or f'fix {cause!r} under load'} (it starts at concurrency {onset.level}); and "
+        f"for the baseline: {baseline.recommendation}", baseline=baseline.headline)
 
 
 def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]],

@@ -119,3 +119,4 @@ async def test_a_relay_that_cuts_in_front_of_the_proxy_and_one_behind_it_are_nam
     (behind_line,) = results["behind"]
     assert behind_line.startswith("TIMEOUT IN THE PATH: cut at 1.5 s, 4 times (upstream_disconnect x4")
     assert "between the proxy and the server" in behind_line
+

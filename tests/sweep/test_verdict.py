@@ -222,3 +222,30 @@ def test_a_budget_spent_thinking_says_the_answer_got_nothing() -> None:
     assert (v.kind, v.cause) == ("baseline_truncation", "length:requested_budget")
     assert any("4 of them showed no answer at all: the answer budget went to thinking" in line for line in v.evidence)
     assert "mostly to reasoning" in v.recommendation
+
+
+def test_a_load_effect_on_top_of_a_budget_baseline_is_named_with_its_onset() -> None:
+    """As against llama.cpp with one slot: every answer stops at the client's budget, and from
+    concurrency 4 most clients give up on their timeout."""
+    budget = {"stop": "length", "tokens": 200, "length_cause": "requested_budget"}
+    groups = {1: level(1, 4, **budget), 2: level(2, 8, **budget),
+              4: [*level(4, 2, **budget), *[sample(4, 2 + i, stop="client_disconnect", duration=30.0, tokens=40)
+                                            for i in range(6)]],
+              8: [*level(8, 1, **budget), *[sample(8, 1 + i, stop="client_disconnect", duration=30.0, tokens=20)
+                                            for i in range(7)]]}
+    verdict = decide(summarize([s for g in groups.values() for s in g]), groups, client_timeout_s=30.0)
+    assert (verdict.kind, verdict.cause, verdict.onset_level) == ("policy", "client_disconnect", 4)
+    assert verdict.baseline is not None and "ran into the client's own budget" in verdict.baseline
+    assert "the client's timeout of 30 s ends answers from concurrency 4" in verdict.headline
+    assert "raise --max-tokens above 200" in verdict.recommendation
+    assert "client_disconnect by concurrency: c=1: 0/4, c=2: 0/8, c=4: 6/8, c=8: 7/8 (it comes with load)" in (
+        verdict.evidence)
+    text = verdict.text()
+    assert "and at every level, the baseline:" in text
+
+
+def test_a_baseline_that_does_not_change_with_load_stays_a_baseline() -> None:
+    budget = {"stop": "length", "tokens": 200, "length_cause": "requested_budget"}
+    groups = {1: level(1, 4, **budget), 4: level(4, 8, **budget)}
+    verdict = decide(summarize([s for g in groups.values() for s in g]), groups)
+    assert verdict.kind == "baseline_truncation" and verdict.baseline is None
