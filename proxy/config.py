@@ -238,6 +238,9 @@ class ProxyConfig:
     history_buffer: int = 50_000  # records waiting for the history's writer; past it, counted as dropped
     history_password: str | None = field(default=None, repr=False)  # --history-password-file's
     instance: str | None = None  # this proxy's name on its records (the CLI's default: host name and port)
+    client_header: str | None = None  # a header that names the client (else a keyed hash of the API key)
+    client_secret: bytes | None = field(default=None, repr=False)  # the key of that hash (None: one per process)
+    client_metrics: int = 0  # a bounded `client` label on llm_proxy_client_requests_total (0: no such metric)
     otel: bool = False  # OpenTelemetry spans over OTLP (proxy/observers/tracing.py), configured by the OTEL_* env
     # Credentials from the upstream URL, sent as the `Authorization` header when the client sends none;
     # never shown (the URL above has them taken out).

@@ -131,6 +131,7 @@ class ResponseRecord:
     started_at: float  # unix time
     instance: str | None = None  # the proxy that saw it (--instance; default its host name and listen port)
     upstream: str | None = None  # the server it went to (the upstream URL, credentials taken out)
+    client: str | None = None  # who sent it: a keyed hash of its API key (`key:…`), or --client-header's value
     model: str | None = None
     stream: bool | None = None
     status: int | None = None

@@ -114,13 +114,14 @@ class Recorder:
 
     @classmethod
     def start(cls, request_id: str, method: str, path: str, *, limits: ParseLimits = ParseLimits(),
-              started: float | None = None, instance: str | None = None, upstream: str | None = None) -> Recorder:
-        """A recorder for a request to `path`, its dialect found by route, seen by the proxy
-        `instance` on its way to `upstream`."""
+              started: float | None = None, instance: str | None = None, upstream: str | None = None,
+              client: str | None = None) -> Recorder:
+        """A recorder for a request to `path`, its dialect found by route, sent by `client` and seen
+        by the proxy `instance` on its way to `upstream`."""
         route, dialect = route_of(path)
         record = ResponseRecord(request_id=request_id, method=method, path=path[:512], route=route,
                                 dialect=dialect.name if dialect is not None else "none", started_at=time.time(),
-                                instance=instance, upstream=upstream)
+                                instance=instance, upstream=upstream, client=client)
         return cls(record, dialect, time.monotonic() if started is None else started, limits)
 
     @property

@@ -42,12 +42,19 @@ class _CallbackCounter(Collector):
 class ProxyMetrics:
     """The proxy's metrics in their own registry, so several proxies can live in one process."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50, max_clients: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.max_models = max_models
         self._models: set[str] = set()
         self._other_started = False
+        self.max_clients = max_clients
+        self._clients: set[str] = set()
         r = self.registry
+        # Per client only when asked (--client-metrics N): a bounded label, the first N then `other`.
+        self.client_requests = Counter(
+            "llm_proxy_client_requests", "Responses by the client that sent them (the record's `client`: a keyed "
+            "hash of its API key, or --client-header's value; the first --client-metrics names, then other; none: "
+            "no key) and by outcome.", ["client", "outcome"], registry=r) if max_clients > 0 else None
         # --- per response -------------------------------------------------------------------
         # Every ratio (dashboard, rules, alerts) is taken from this one counter, numerator and
         # denominator alike, so that a series appearing for the first time (a new concurrency
@@ -181,6 +188,17 @@ class ProxyMetrics:
         """A request the HTTP parser refused (`proxy.relay.listeners.refusal_reason`: a bounded set)."""
         self.invalid_requests.labels(reason).inc()
 
+    def client_label(self, client: str | None) -> str:
+        """A bounded client label: the first `max_clients` distinct names, then `other`."""
+        if not client:
+            return "none"
+        if client in self._clients:
+            return client
+        if len(self._clients) >= self.max_clients:
+            return OTHER_MODEL
+        self._clients.add(client)
+        return client
+
     def model_label(self, model: str | None) -> str:
         """A bounded model label: the first `max_models` distinct names, then `other`."""
         if not model:
@@ -226,6 +244,8 @@ class MetricsObserver(Observer):
         bucket = concurrency_bucket(record.concurrency_peak)
         reasoning = "mostly" if record.budget_mostly_reasoning else ""
         m._child(m.requests, record.route, model, record.stop_reason, cause, outcome, reasoning, bucket).inc()
+        if m.client_requests is not None:
+            m._child(m.client_requests, m.client_label(record.client), outcome).inc()
         exemplar = {"request_id": record.request_id[:64]}  # OpenMetrics: 128 characters for all labels
         m._child(m.duration, outcome).observe(record.duration_s, exemplar)
         if record.upstream_error is not None:

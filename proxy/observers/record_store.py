@@ -27,6 +27,7 @@ class RecordQuery:
     concurrency: str | None = None  # the bucket of concurrency_peak: 1, 2, 4, ..., 128+
     instance: str | None = None  # the proxy that saw it (a fleet's shared history)
     upstream: str | None = None  # the server it went to
+    client: str | None = None  # who sent it (ResponseRecord.client)
     since: float | None = None
     until: float | None = None
     cursor: int | None = None
@@ -42,6 +43,7 @@ class RecordQuery:
                 and (self.concurrency is None or concurrency_bucket(record.concurrency_peak) == self.concurrency)
                 and (self.instance is None or record.instance == self.instance)
                 and (self.upstream is None or record.upstream == self.upstream)
+                and (self.client is None or record.client == self.client)
                 and (self.since is None or record.started_at >= self.since)
                 and (self.until is None or record.started_at < self.until))
 

@@ -13,6 +13,7 @@ import functools
 import itertools
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from aiohttp.http import HttpVersion10, StreamWriter
 from multidict import CIMultiDict
 
 from proxy.config import ProxyConfig
+from proxy.diagnosis.clients import ClientNamer
 from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.recorder import ParseLimits, Recorder
 from proxy.diagnosis.server_check import ServerCheck
@@ -138,6 +140,7 @@ class Forwarder:
         self.config = config
         self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
         self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
+        self.clients = ClientNamer(config.client_secret or secrets.token_bytes(32), config.client_header)
         self.observers = observers
         self.check = check  # what only the server can still say, asked after each response
         self.concurrency = concurrency
@@ -167,7 +170,8 @@ class Forwarder:
         started = time.monotonic()
         recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
                                   request.path, limits=self.limits, started=started,
-                                  instance=self.config.instance, upstream=self.config.upstream)
+                                  instance=self.config.instance, upstream=self.config.upstream,
+                                  client=self.clients.name(request.headers))
         recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
         tracker = self.concurrency
         slot = tracker.admit() if recorder.inference else None

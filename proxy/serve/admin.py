@@ -119,6 +119,7 @@ def record_query(query: dict[str, str]) -> RecordQuery:
         concurrency=_choice(query, "concurrency", CONCURRENCY_BUCKETS),
         model=query.get("model") or None, route=query.get("route") or None,
         instance=query.get("instance") or None, upstream=query.get("upstream") or None,
+        client=query.get("client") or None,
         since=parse_time("since", query["since"]) if query.get("since") else None,
         until=parse_time("until", query["until"]) if query.get("until") else None,
         cursor=cursor, limit=limit)

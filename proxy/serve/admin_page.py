@@ -32,7 +32,7 @@ td.num { text-align: right; } .cut { color: #b00020; font-weight: 600; } .budget
 SCRIPT = """
 const CHOICES = JSON.parse(document.getElementById('choices').textContent);
 const FIELDS = ['stop_reason', 'cause', 'outcome', 'concurrency', 'model', 'route', 'instance', 'upstream',
-  'since'];
+  'client', 'since'];
 const form = document.getElementById('filters');
 function fill(name, values) {
   const select = form.elements[name];
@@ -63,7 +63,8 @@ async function refresh() {
   for (const r of page.records) {
     const row = body.insertRow(); row.dataset.id = r.request_id;
     cell(row, new Date(r.started_at * 1000).toLocaleTimeString());
-    cell(row, r.instance || '-', 'muted'); cell(row, r.model || '-'); cell(row, r.route);
+    cell(row, r.instance || '-', 'muted'); cell(row, r.client || '-', 'muted'); cell(row, r.model || '-');
+    cell(row, r.route);
     cell(row, r.stop_reason, r.outcome === 'cut' ? 'cut' : r.outcome === 'budget' ? 'budget' : '');
     cell(row, r.cause);
     cell(row, (r.output_tokens ?? '-') + ' / ' + (r.requested_max_tokens ?? '-'), 'num');
@@ -110,6 +111,9 @@ async function verdict() {
     const head = document.createElement('strong'); head.textContent = 'A timeout in the path (' + t.side + ' side)';
     const text = document.createElement('p'); text.textContent = t.text; div.append(head, text); box.appendChild(div);
   }
+  for (const line of found.whose || []) {
+    const p = document.createElement('p'); p.className = 'muted whose'; p.textContent = line; box.appendChild(p);
+  }
   if (!found.groups.length) {
     const p = document.createElement('p'); p.textContent = found.note; box.appendChild(p); return;
   }
@@ -150,11 +154,13 @@ def render(choices: dict[str, list[str]]) -> bytes:
 <label>concurrency<select name="concurrency"><option value="">any</option></select></label>
 <label>model<input name="model" size="14"></label><label>route<input name="route" size="18"></label>
 <label>instance<input name="instance" size="14"></label><label>upstream<input name="upstream" size="18"></label>
+<label>client<input name="client" size="16"></label>
 <label>since<select name="since"><option value="">any time</option>{since}</select></label>
 </form>
 <p id="status" class="muted">loading...</p>
-<table id="records"><thead><tr><th>time</th><th>instance</th><th>model</th><th>route</th><th>stop reason</th>
-<th>cause</th><th>output / requested</th><th>concurrency</th><th>TTFT</th><th>request id</th></tr></thead>
+<table id="records"><thead><tr><th>time</th><th>instance</th><th>client</th><th>model</th><th>route</th>
+<th>stop reason</th><th>cause</th><th>output / requested</th><th>concurrency</th><th>TTFT</th><th>request id</th>
+</tr></thead>
 <tbody></tbody></table>
 <h2>Record</h2><pre id="detail" class="muted">click a record to see it in full</pre>
 <script type="application/json" id="choices">{blob}</script>

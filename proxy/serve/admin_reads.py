@@ -72,6 +72,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     `llm-diag-proxy diagnose` does."""
     from proxy.sweep.live import compare, groups_of, verdict_json
     from proxy.sweep.timeouts import repeated_cuts
+    from proxy.sweep.whose import lines as whose_lines
 
     records: list[ResponseRecord]
     if source is not None:
@@ -82,6 +83,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     found = verdict_json(groups, since=query.since or 0.0, records=len(records), min_per_level=min_per_level,
                          source="history" if source is not None else "memory", admin=admin)
     found["timeouts"] = [cut.to_dict() for cut in repeated_cuts(records)]
+    found["whose"] = whose_lines(records)
     if query.instance is not None:
         found["instance"] = query.instance
     if by is not None:

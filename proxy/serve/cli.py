@@ -22,6 +22,7 @@ from proxy.config import (
     HostPort,
     ProxyConfig,
     flag_type,
+    parse_count,
     parse_duration,
     parse_host_names,
     parse_host_port,
@@ -120,6 +121,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history-buffer", type=flag_type(parse_positive_int), default=50_000, metavar="N",
                         help="records that wait for the history while it is slow or down; past them records are "
                              "counted as dropped (default %(default)s)")
+    parser.add_argument("--client-header", default=os.environ.get("LLM_DIAG_CLIENT_HEADER") or None, metavar="NAME",
+                        help="a request header that names the client (X-Client-Id, OpenAI-Project) for the record's "
+                             "`client`; default: a keyed hash of the request's API key, never the key")
+    parser.add_argument("--client-secret-file", default=os.environ.get("LLM_DIAG_CLIENT_SECRET_FILE") or None,
+                        metavar="FILE", help="the key of that hash (share one across a fleet so a client is the same "
+                                             "everywhere; default: made once in ~/.local/state/llm-diag-proxy)")
+    parser.add_argument("--client-metrics", type=flag_type(parse_count), default=0, metavar="N",
+                        help="count requests by client in llm_proxy_client_requests_total, the first N clients "
+                             "by name and the rest as `other` (default 0: no per-client metric)")
     parser.add_argument("--instance", default=os.environ.get("LLM_DIAG_INSTANCE") or None, metavar="NAME",
                         help="this proxy's name on its records, to tell replicas apart in a shared history "
                              "(env LLM_DIAG_INSTANCE; default HOSTNAME:PORT of --listen)")
@@ -155,6 +165,32 @@ def history_path(value: str | None, listen: HostPort | None = None, upstream: st
     return parse_history(value)
 
 
+def client_naming(args: argparse.Namespace) -> tuple[str | None, bytes | None]:
+    """`--client-header` (never a credential) and the secret of the API keys' hash (a note in the
+    log when only one for this process could be had)."""
+    from proxy.diagnosis.clients import CREDENTIAL_HEADERS, load_secret
+    from proxy.observers.history.source import state_directory
+
+    header = (getattr(args, "client_header", None) or "").strip() or None
+    if header is not None and header.lower() in CREDENTIAL_HEADERS:
+        raise ConfigError(f"invalid --client-header {header!r}: a credential never goes into a record; name a header "
+                          "that names the client (X-Client-Id, OpenAI-Project), or leave it unset for a keyed hash "
+                          "of the API key")
+    path = getattr(args, "client_secret_file", None)
+    try:
+        secret, note = load_secret(path, state_directory())
+    except (OSError, ValueError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot use --client-secret-file {path}: {detail}") from None
+    if note is not None:
+        import structlog
+
+        structlog.get_logger("llm_diag_proxy").warning(
+            "client_secret_per_process", error=note,
+            note="clients are hashed with a key of this process: the same API key gets another name after a restart")
+    return header, secret
+
+
 def default_instance(listen: HostPort) -> str:
     """HOSTNAME:PORT: in Kubernetes the pod's name, and on one machine the proxy's own port."""
     import socket
@@ -181,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         instance = (getattr(args, "instance", None) or "").strip()
         if len(instance) > 200:
             raise ConfigError("invalid --instance: at most 200 characters")
+        client_header, client_secret = client_naming(args)
         return ProxyConfig(
             upstream=upstream,
             listen=listen,
@@ -212,6 +249,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             history_buffer=getattr(args, "history_buffer", 50_000),
             history_password=read_password_file(password_file) if password_file else None,
             instance=instance or default_instance(listen),
+            client_header=client_header,
+            client_secret=client_secret,
+            client_metrics=getattr(args, "client_metrics", 0),
             log_level=args.log_level,
             log_format=args.log_format,
         )

@@ -122,7 +122,7 @@ class Observing:
     def open(cls, config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
              log_records: bool | None = None) -> Observing:
         """Built from the config (TracingUnavailable when `--otel` asks for an SDK not installed)."""
-        metrics = ProxyMetrics(max_models=config.max_models)
+        metrics = ProxyMetrics(max_models=config.max_models, max_clients=config.client_metrics)
         store = RecordStore(config.ring_size)
         telemetry = Telemetry(config, metrics)
         tracer = open_tracer(config, metrics)

@@ -24,7 +24,7 @@ import orjson
 from proxy.config import CliError, ConfigError, flag_type, parse_duration, parse_positive_int, parse_upstream_url
 from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
-from proxy.sweep import export, table, timeouts
+from proxy.sweep import export, table, timeouts, whose
 from proxy.sweep.live import BY, MIN_PER_LEVEL, OBSERVATIONAL, Group, compare, explain, groups_of
 from proxy.sweep.session import exit_code
 from proxy.sweep.stats import by_level
@@ -148,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"llm-diag-proxy diagnose: {len(records)} records since "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} from {where}\n")
-    path_timeouts = timeouts.lines(records)
+    findings = timeouts.lines(records) + whose.lines(records)
     if not groups:
-        out.write("".join(line + "\n" for line in path_timeouts))
+        out.write("".join(line + "\n" for line in findings))
         out.write(f"VERDICT (insufficient_data): no model and budget band has records at two concurrency levels "
                   f"with {args.min_per_level} or more each; widen --since, lower --min-per-level, or run the "
                   f"controlled sweep\n")
@@ -166,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         code = max(code, exit_code(group.verdict, args.fail_on, sys.stderr))
     if args.by is not None:
         out.write("\n" + "\n".join(compare(groups, args.by, records)) + "\n")
-    if path_timeouts:
-        out.write("\n" + "\n".join(path_timeouts) + "\n")
+    if findings:
+        out.write("\n" + "\n".join(findings) + "\n")
     out.flush()
     return code
 

@@ -25,7 +25,7 @@ OBSERVATIONAL = ("observational: these are live requests, which differ in prompt
                  "have another cause (confounding)")
 
 
-BY = ("instance", "upstream", "model")  # what `diagnose --by` compares
+BY = ("instance", "upstream", "client", "model")  # what `diagnose --by` compares
 NO_EFFECT = ("no_load_effect", "insufficient_data")
 
 
@@ -50,7 +50,8 @@ def scope_of(record: ResponseRecord, by: str | None) -> str | None:
     """The value `--by` groups a record under (None without --by)."""
     if by is None:
         return None
-    value = record.model if by == "model" else record.instance if by == "instance" else record.upstream
+    value = {"model": record.model, "instance": record.instance, "upstream": record.upstream,
+             "client": record.client}[by]
     return value or "(none)"
 
 

@@ -26,11 +26,11 @@ from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord, concurrency_bucket
 
 # The columns of a row, in order; `body` is the record as JSON with its None fields left out.
-COLUMNS = ("instance", "upstream", "request_id", "upstream_request_id", "started_at", "model", "route",
+COLUMNS = ("instance", "upstream", "client", "request_id", "upstream_request_id", "started_at", "model", "route",
            "stop_reason", "length_cause", "cause", "outcome", "concurrency", "body")
 # The exact-match filters of RecordQuery, each a column.
 FILTERS = ("stop_reason", "model", "route", "length_cause", "cause", "outcome", "concurrency", "instance",
-           "upstream")
+           "upstream", "client")
 MAX_TEXT = 512  # a column value longer than this is cut (the body keeps the record whole)
 
 
@@ -97,7 +97,7 @@ def row_of(record: ResponseRecord) -> tuple[Any, ...]:
     """The row of a record: its query columns and its body."""
     body = record.to_dict()
     compact = {name: value for name, value in body.items() if value is not None}
-    return (_text(record.instance) or "", _text(record.upstream), _text(record.request_id),
+    return (_text(record.instance) or "", _text(record.upstream), _text(record.client), _text(record.request_id),
             _text(record.upstream_request_id), record.started_at, _text(record.model), _text(record.route),
             record.stop_reason, record.length_cause, body["cause"], body["outcome"],
             concurrency_bucket(record.concurrency_peak), orjson.dumps(compact, default=str))

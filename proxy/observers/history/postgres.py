@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     instance TEXT NOT NULL,
     upstream TEXT,
+    client TEXT,
     request_id TEXT NOT NULL,
     upstream_request_id TEXT,
     started_at DOUBLE PRECISION NOT NULL,
@@ -52,12 +53,14 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     body JSONB NOT NULL,
     CONSTRAINT {TABLE}_key UNIQUE (instance, request_id, started_at)
 );
+ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS client TEXT;
 CREATE INDEX IF NOT EXISTS {TABLE}_started_at ON {TABLE} (started_at);
 CREATE INDEX IF NOT EXISTS {TABLE}_request_id ON {TABLE} (request_id);
 CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id ON {TABLE} (upstream_request_id)
     WHERE upstream_request_id IS NOT NULL;
 """
-_TYPES = ("text", "text", "text", "text", "float8", "text", "text", "text", "text", "text", "text", "text", "jsonb")
+_TYPES = ("text", "text", "text", "text", "text", "float8", "text", "text", "text", "text", "text", "text", "text",
+          "jsonb")
 INSERT = (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) SELECT * FROM unnest("
           + ", ".join(f"%s::{kind}[]" for kind in _TYPES) + ") ON CONFLICT DO NOTHING")
 _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")

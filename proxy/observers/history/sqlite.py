@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS records (
     started_at REAL NOT NULL,
     model TEXT, route TEXT, stop_reason TEXT, length_cause TEXT, cause TEXT, outcome TEXT,
     concurrency TEXT, body BLOB NOT NULL,
-    instance TEXT, upstream TEXT
+    instance TEXT, upstream TEXT, client TEXT
 );
 CREATE INDEX IF NOT EXISTS records_started_at ON records (started_at);
 CREATE INDEX IF NOT EXISTS records_request_id ON records (request_id);
@@ -86,7 +86,7 @@ class SQLiteBackend:
             connection.execute("PRAGMA synchronous=NORMAL")
             connection.executescript(SCHEMA)
             have = {row[1] for row in connection.execute("PRAGMA table_info(records)")}
-            for column in ("instance", "upstream"):
+            for column in ("instance", "upstream", "client"):
                 if column not in have:
                     connection.execute(f"ALTER TABLE records ADD COLUMN {column} TEXT")
             connection.executescript(KEY)
