@@ -231,7 +231,7 @@ class EngineCore:
         cfg = self.config
         duration = cfg.step_time_s(len(batch)) + prefill_tokens * cfg.prefill_time_per_token_s
         for seq in batch:
-            events.append(self._advance(seq))
+            events.append(self._advance(seq, len(batch)))
         return StepResult(duration, len(batch), tuple(events))
 
     def _expire(self, now: float, events: list[EngineEvent]) -> None:
@@ -310,13 +310,15 @@ class EngineCore:
         self._waiting.appendleft(seq)
         events.append(Preempted(seq.seq_id))
 
-    def _advance(self, seq: _Sequence) -> Output:
+    def _advance(self, seq: _Sequence, batch: int = 1) -> Output:
         """Produce one token for a sequence and end it if that token ends it."""
         seq.generated += 1
         self.counters.generation_tokens += 1
         if seq.generated > seq.spec.sampler.natural_tokens:
             return Output(seq.seq_id, "", True, self._finish(seq, "stop", "eos", None))
         text = seq.spec.sampler.next_token()
+        if batch > 1 and self.config.batch_variance:
+            text = seq.spec.sampler.perturbed(text, batch, self.config.batch_variance)
         if seq.spec.stop:
             tail = seq.text_tail + text
             for stop in seq.spec.stop:

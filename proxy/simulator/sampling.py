@@ -31,13 +31,23 @@ def seed_for(seed: int, prompt: str) -> int:
 class AnswerSampler:
     """Draws one answer: its natural length (where EOS comes) and its words, token by token."""
 
-    __slots__ = ("_count", "_rng", "natural_tokens")
+    __slots__ = ("_count", "_rng", "_seed", "natural_tokens")
 
     def __init__(self, seed: int, prompt: str, mean_tokens: int, spread: float) -> None:
-        self._rng = random.Random(seed_for(seed, prompt))
+        self._seed = seed_for(seed, prompt)
+        self._rng = random.Random(self._seed)
         low = mean_tokens * (1 - spread)
         self.natural_tokens = max(1, round(low + 2 * mean_tokens * spread * self._rng.random()))
         self._count = 0
+
+    def perturbed(self, text: str, batch: int, share: float) -> str:
+        """The token as a batch of `batch` computes it: with probability `share` another word, drawn
+        from the batch's shape, the seed and the position (repeatable, and apart from the seeded draw)."""
+        rng = random.Random(hash((self._seed, self._count, batch)))
+        if rng.random() >= share:
+            return text
+        word = VOCABULARY[rng.randrange(len(VOCABULARY))]
+        return word.capitalize() if self._count == 1 else f" {word}." if text.endswith(".") else f" {word}"
 
     def next_token(self) -> str:
         """The next token's text: a word with its leading space, sometimes ending a sentence."""

@@ -34,8 +34,15 @@ class SimulatorConfig:
     deadline_s: float = 0.0  # server-side wall-clock limit per request; answers end as if complete
     max_num_seqs: int = 256  # most sequences in one batch (vLLM --max-num-seqs)
     reject_status: int = 503  # status of a request refused by the `reject` policy
+    # Batch-shape nondeterminism: in a batch of more than one, each token's word differs from the
+    # seeded one with this probability (the numerics of a batched step), while the answer still ends
+    # by EOS at its natural length: complete answers that change with load. 0: answers depend on the
+    # seed and prompt alone.
+    batch_variance: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.batch_variance <= 1:
+            raise ConfigError(f"invalid batch_variance {self.batch_variance!r}: must be in [0, 1]")
         for name in ("token_time_s", "batch_slowdown", "prefill_time_per_token_s", "deadline_s"):
             value = getattr(self, name)
             if not value >= 0 or value == float("inf"):
@@ -95,4 +102,7 @@ SCENARIOS: dict[str, SimulatorConfig] = {
     "deadline": replace(_BASE, kv_blocks=0, kv_policy="none", deadline_s=0.85, batch_slowdown=0.5),
     # Nothing runs out: every answer ends on its own at every concurrency.
     "healthy": replace(_BASE, kv_blocks=0, kv_policy="none"),
+    # Nothing runs out, but a batched step's numerics change the words: from 2, answers end on their
+    # own, as long as alone, with other text.
+    "nondeterministic": replace(_BASE, kv_blocks=0, kv_policy="none", batch_variance=0.3),
 }

@@ -24,6 +24,7 @@ from proxy.diagnosis.recorder import Recorder
 from proxy.diagnosis.server_check import ServerTokenizer, settle_now
 from proxy.diagnosis.server_reads import read_server_facts, read_server_info
 from proxy.record import record_from_dict
+from proxy.sweep.answer_text import AnswerText
 from proxy.sweep.sample import ClientMeasure, Sample
 from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
 
@@ -118,6 +119,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     t0 = time.monotonic()
     status: int | None = None
     error: str | None = None
+    text = AnswerText(plan.dialect)
     try:
         async with asyncio.timeout(plan.timeout_s or None):
             headers = {"Content-Type": "application/json"}
@@ -131,6 +133,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
                 recorder.response_head(status, response.headers.get("Content-Type", ""))
                 async for chunk in response.content.iter_any():
                     recorder.chunk(chunk, time.monotonic())
+                    text.feed(chunk)
     except aiohttp.ServerTimeoutError as exc:  # aiohttp's own connect timeout, not the sweep's --timeout
         error = f"cannot connect: {exc}"[:300]
         recorder.no_answer("timeout", error)
@@ -149,7 +152,8 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     record = recorder.finish(time.monotonic(), server=server.facts)
     measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
                             itl_p95_s=record.itl_p95_s, chunks=recorder.tally.tokens,
-                            duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error)
+                            duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error,
+                            answer_hash=text.digest())
     query = recorder.tokenizer_query()
     if query is not None and server.tokenizer is not None and plan.admin is None:
         await settle_now(server.tokenizer, record, query, server.facts)  # the proxy's record settles itself

@@ -34,7 +34,7 @@ from proxy.sweep.stats import (
 from proxy.wire.server_facts import ServerInfo
 
 VerdictKind = Literal["insufficient_data", "baseline_truncation", "policy", "serving_defect",
-                      "hidden_cap", "length_shift", "no_load_effect"]
+                      "hidden_cap", "length_shift", "batch_nondeterminism", "no_load_effect"]
 
 # A level "falls" when its completion rate is this many points below the baseline's, with at
 # least MIN_CUT responses not complete (one odd response is not a pattern).
@@ -128,9 +128,11 @@ def _decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sam
                   and s.n - s.complete >= MIN_CUT), None)
     if onset is not None:
         return _truncation(summaries, groups, onset, difference, latency, client_timeout_s, server)
+    answers = _same_answers(summaries, groups)
     length_onset = _length_onset(summaries, groups)
     if length_onset is not None:
-        return _length_fall(summaries, groups, length_onset, latency)
+        fallen = _length_fall(summaries, groups, length_onset, latency)
+        return replace(fallen, evidence=(*fallen.evidence, answers.line)) if answers is not None else fallen
     observed = _observed_deadline(summaries)
     if observed is not None:
         return Verdict(
@@ -140,7 +142,69 @@ def _decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sam
              f"concurrency {observed.level} passed the deadline; all still completed", latency),
             f"disclose the deadline and keep concurrency below {observed.level}, or a client that "
             "enforces it will see cut answers", difference)
-    return _no_load_effect(summaries, difference, latency)
+    if answers is not None and answers.onset is not None:
+        return _changed_answers(summaries, answers, difference, latency)
+    calm = _no_load_effect(summaries, difference, latency)
+    return replace(calm, evidence=(*calm.evidence, answers.line)) if answers is not None else calm
+
+
+@dataclass(frozen=True, slots=True)
+class Answers:
+    """The seeded answers' texts across levels (by hash): the same as at the lowest level, or not."""
+
+    line: str
+    onset: LevelSummary | None = None  # the first level whose complete answers changed
+    changed: int = 0
+    compared: int = 0
+
+
+def _same_answers(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]]) -> Answers | None:
+    """Whether complete answers keep the lowest level's text (None: the sweep kept no hashes)."""
+    def hashes(level: int) -> list[str]:
+        return [s.client.answer_hash for s in groups[level] if is_complete(s.record) and s.client.answer_hash]
+
+    base = summaries[0]
+    own = hashes(base.level)
+    if len(own) < 2:
+        return None
+    texts = set(own)
+    if len(texts) > 1:
+        return Answers(f"answers differ already at c={base.level} ({len(texts)} texts among {len(own)} complete "
+                       "answers to one seeded request): the seed does not fix this server's answers, so their text "
+                       "cannot show a load effect")
+    onset, changed, compared = None, 0, 0
+    for summary in summaries[1:]:
+        found = hashes(summary.level)
+        moved = sum(1 for h in found if h not in texts)
+        if onset is None and moved >= MIN_CUT:
+            onset = summary
+        if onset is not None:
+            changed, compared = changed + moved, compared + len(found)
+    if onset is None:
+        total = sum(len(hashes(s.level)) for s in summaries)
+        return Answers(f"every complete answer was the same text at every level ({total} answers, one text): "
+                       "the strongest form of no load effect")
+    by_level = ", ".join(f"c={s.level}: {sum(1 for h in hashes(s.level) if h not in texts)}/{len(hashes(s.level))}"
+                         for s in summaries)
+    return Answers(f"complete answers whose text differs from c={base.level}'s one text: {by_level}", onset,
+                   changed, compared)
+
+
+def _changed_answers(summaries: Sequence[LevelSummary], answers: Answers, difference: Interval | None,
+                     latency: str) -> Verdict:
+    assert answers.onset is not None
+    onset, base = answers.onset, summaries[0]
+    share = answers.changed / max(answers.compared, 1)
+    return Verdict(
+        "batch_nondeterminism",
+        f"answers end on their own at every level, but from concurrency {onset.level} {_pct(share)} of them are "
+        f"another text than at c={base.level}: batch-shape nondeterminism, not truncation",
+        "batch_shape", onset.level, True,
+        (_completion_line(summaries), answers.line, "the seed, prompt, budget and temperature were the same for every "
+         "request; only concurrency changed: the server's numerics depend on the batch it runs in", latency),
+        "the answers are complete; where the text must not depend on load, turn on the server's batch-invariant "
+        "kernels (vLLM: VLLM_BATCH_INVARIANT=1; SGLang: --enable-deterministic-inference), at some cost in "
+        "throughput", difference)
 
 
 def _baseline_truncation(base: LevelSummary, samples: Sequence[Sample], latency: str,
