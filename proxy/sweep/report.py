@@ -141,6 +141,29 @@ def _verdict_html(verdict: Verdict) -> str:
             "</section>")
 
 
+def _rates_html(plan: Mapping[str, Any]) -> str:
+    """An open-loop sweep's table by arrival rate, with goodput (empty for a closed-loop sweep)."""
+    rates = plan.get("rates_summary")
+    if not rates:
+        return ""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * MS:.0f}"
+
+    head = ("<tr><th>rate/s</th><th>sent</th><th>complete</th><th>goodput/s</th><th>good</th><th>TTFT p50 ms</th>"
+            "<th>TTFT p95 ms</th><th>e2e p50 ms</th><th>e2e p95 ms</th><th>concurrency met (median/max)</th></tr>")
+    rows = "".join(
+        f"<tr><td>{r['rate']:g}</td><td>{r['sent']}</td><td>{r['completion_rate']:.0%}</td>"
+        f"<td>{r['goodput_per_s']:.2f}</td><td>{r['good'] / r['sent'] if r['sent'] else 0:.0%}</td>"
+        f"<td>{ms(r['ttft_p50_s'])}</td><td>{ms(r['ttft_p95_s'])}</td><td>{ms(r['e2e_p50_s'])}</td>"
+        f"<td>{ms(r['e2e_p95_s'])}</td><td>{r['concurrency_median'] or 0:g}/{r['concurrency_max']}</td></tr>"
+        for r in rates)
+    slo = html.escape(str(plan.get("slo", "complete only")))
+    return (f'<h2>Open loop: by arrival rate ({html.escape(str(plan.get("arrivals")))})</h2>'
+            f'<p class="settings">goodput: answers that ended on their own within {slo}</p>'
+            f'<table class="rates">{head}{rows}</table>')
+
+
 def render(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Sample]], verdict: Verdict,
            plan: Mapping[str, Any]) -> str:
     """The whole page as one string; it loads nothing from the network."""
@@ -171,7 +194,8 @@ dl.legend dt {{ font-weight: 600; }} dl.legend dd {{ margin: 0 0 0.4em 1em; }}
 {_metadata_html(plan)}
 <p class="settings">{html.escape(settings)}</p>
 {_verdict_html(verdict)}
-<h2>Per level</h2>
+{_rates_html(plan)}
+<h2>{"By the concurrency each request met" if plan.get("rates_summary") else "Per level"}</h2>
 {_table_html(summaries)}
 <h2>Charts</h2>
 {figures}

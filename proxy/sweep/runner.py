@@ -25,6 +25,7 @@ from proxy.diagnosis.server_check import ServerTokenizer, settle_now
 from proxy.diagnosis.server_reads import read_server_facts, read_server_info
 from proxy.record import record_from_dict
 from proxy.sweep.answer_text import AnswerText
+from proxy.sweep.open_loop import arrivals
 from proxy.sweep.sample import ClientMeasure, Sample
 from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
 
@@ -59,6 +60,10 @@ class SweepPlan:
     admin: str | None = None
     admin_token: str | None = None
     warmup: int = 1
+    rates: tuple[float, ...] = ()  # open loop (requests per second) instead of `levels`
+    arrivals: Literal["constant", "poisson"] = "constant"
+    rate_seconds: float = 30.0  # how long each rate sends
+    slo: str | None = None  # goodput's targets, as --slo gives them (`ttft=500ms,itl=50ms,e2e=30s`)
 
     @property
     def path(self) -> str:
@@ -66,7 +71,13 @@ class SweepPlan:
 
     @property
     def total(self) -> int:
+        if self.rates:
+            return sum(len(arrivals(rate, self.rate_seconds, self.arrivals, self.seed)) for rate in self.rates)
         return sum(level * self.repeats for level in self.levels)
+
+    @property
+    def open_loop(self) -> bool:
+        return bool(self.rates)
 
     def to_dict(self) -> dict[str, Any]:
         plan = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -187,6 +198,41 @@ async def run_level(session: aiohttp.ClientSession, plan: SweepPlan, level: int,
     return samples
 
 
+async def run_rate(session: aiohttp.ClientSession, plan: SweepPlan, rate: float, *, send_id: bool = True,
+                   on_done: Callable[[], None] = lambda: None, server: ServerSide = ServerSide()) -> list[Sample]:
+    """Open loop at one rate: each request sent at its arrival time, whatever is still in flight."""
+    body = request_body(plan)
+    in_flight = 0
+    started = time.monotonic()
+    samples: list[Sample] = []
+
+    async def one(index: int, at: float) -> None:
+        nonlocal in_flight
+        in_flight += 1
+        sample = await send_one(session, plan, body, str(uuid.uuid4()), 0, index, in_flight, send_id=send_id,
+                                server=server)
+        sample.client.sent_s, sample.client.rate = at, rate
+        in_flight -= 1
+        samples.append(sample)
+        on_done()
+
+    tasks = []
+    for index, at in enumerate(arrivals(rate, plan.rate_seconds, plan.arrivals, plan.seed)):
+        delay = started + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(index, time.monotonic() - started)))
+    await asyncio.gather(*tasks)
+    samples.sort(key=lambda s: s.index)
+    return samples
+
+
+def met_level(sample: Sample) -> int:
+    """The concurrency a request met, as a level: the bucket of its record's peak (1, 2, 4, ... 128)."""
+    peak = max(1, sample.record.concurrency_peak)
+    return min(1 << (peak.bit_length() - 1), 128)
+
+
 async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples: list[Sample]) -> None:
     """Replace each client-built record by the proxy's own (`GET {admin}/api/requests/{id}`)."""
     if plan.admin is None:
@@ -279,7 +325,8 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
                     on_level_done: Callable[[int, int, float], None] = lambda level, n, s: None,
                     ) -> SweepRun:
     """Every level in order, after `warmup` unrecorded requests (a model load must not count)."""
-    connector = aiohttp.TCPConnector(limit=max(plan.levels), force_close=False)
+    # Open loop: no bound in the client, or its queue would hold arrivals back (the load is the rates').
+    connector = aiohttp.TCPConnector(limit=0 if plan.open_loop else max(plan.levels), force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await probe(session, plan.target + "/", "target", {})
@@ -292,11 +339,23 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
         run.server = await read_server_info(session, plan.target, plan.model)
         facts = await read_server_facts(session, plan.target, (plan.model,))
         server = ServerSide(facts, ServerTokenizer(session, plan.target))
-        for level in plan.levels:
-            on_level_start(level)
+        for number, step in enumerate(plan.rates or plan.levels):
+            on_level_start(number if plan.open_loop else int(step))
             t0 = time.monotonic()
-            level_samples = await run_level(session, plan, level, send_id=send_id, on_done=on_done, server=server)
+            if plan.open_loop:
+                level_samples = await run_rate(session, plan, float(step), send_id=send_id, on_done=on_done,
+                                               server=server)
+            else:
+                level_samples = await run_level(session, plan, int(step), send_id=send_id, on_done=on_done,
+                                                server=server)
             await join_records(session, plan, level_samples)
-            on_level_done(level, len(level_samples), time.monotonic() - t0)
+            if plan.open_loop:  # its level: the concurrency it met (the proxy's record, when joined)
+                for sample in level_samples:
+                    sample.level = met_level(sample)
+            on_level_done(int(step), len(level_samples), time.monotonic() - t0)
             run.samples.extend(level_samples)
+        if plan.open_loop:
+            run.samples.sort(key=lambda s: (s.level, s.client.rate or 0.0, s.index))
+            for index, sample in enumerate(run.samples):
+                sample.index = index
         return run

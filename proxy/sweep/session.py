@@ -6,21 +6,23 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
 from proxy import __version__
 from proxy.config import CliError
-from proxy.sweep import export, table
+from proxy.sweep import export, open_loop, table
+from proxy.sweep.open_loop import Slo, parse_slo
 from proxy.sweep.progress import ProgressBar
 from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import LevelSummary, by_level, summarize
-from proxy.sweep.verdict import Verdict, decide
+from proxy.sweep.verdict import COMPLETION_DROP, MIN_CUT, Verdict, decide
 from proxy.wire.server_facts import ServerInfo
 
+OPEN_LOOP_MIN_PER_LEVEL = 3
 FAIL_EXIT = 1  # a verdict named in --fail-on; 2 stays a usage or connection error
 
 
@@ -46,7 +48,11 @@ def analyse(samples: Sequence[Sample], plan: SweepPlan,
             server: ServerInfo | None = None) -> tuple[list[LevelSummary], Verdict]:
     """Per-level summaries and the verdict of a finished sweep (pure)."""
     summaries = summarize(samples)
-    verdict = decide(summaries, by_level(samples), client_timeout_s=plan.timeout_s or None, server=server)
+    judged = samples
+    if plan.open_loop:  # a concurrency that only one or two requests happened to meet is no level to compare
+        sizes = {s.level: s.n for s in summaries}
+        judged = [s for s in samples if sizes[s.level] >= OPEN_LOOP_MIN_PER_LEVEL]
+    verdict = decide(summarize(judged), by_level(judged), client_timeout_s=plan.timeout_s or None, server=server)
     return summaries, verdict
 
 
@@ -66,6 +72,14 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     summaries, verdict = analyse(samples, plan, run.server)
     described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None,
                  "run": run_metadata(plan, run.server)}
+    rates_text = ""
+    if plan.open_loop:
+        slo = parse_slo(plan.slo) if plan.slo else Slo()
+        rates = open_loop.summarize_rates(samples, slo, plan.rate_seconds)
+        verdict = open_loop_verdict(verdict, rates)
+        described["rates_summary"] = [r.to_dict() for r in rates]
+        described["slo"] = slo.describe()
+        rates_text = open_loop.render(rates, slo) + "\n\nby the concurrency each request met:\n"
     written: list[Path] = []
     try:
         if out_dir is not None:
@@ -92,11 +106,23 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     if notes:
         source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
                    "that --admin belongs to?")
-    out.write(f"{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
+    out.write(f"{rates_text}{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
     if written:
         out.write("wrote " + ", ".join(str(p) for p in written) + "\n")
     out.flush()
     return SweepOutcome(list(samples), summaries, verdict, written, run.server)
+
+
+def open_loop_verdict(verdict: Verdict, rates: Sequence[open_loop.RateSummary]) -> Verdict:
+    """The verdict by the concurrency met, with the arrival rate from which answers are cut."""
+    onset = open_loop.rate_onset(rates, COMPLETION_DROP, MIN_CUT)
+    line = "completion by arrival rate: " + ", ".join(
+        f"{r.rate:g}/s: {r.completion_rate:.0%} ({r.complete}/{r.sent}), met concurrency up to {r.concurrency_max}"
+        for r in rates)
+    headline = verdict.headline
+    if onset is not None:
+        headline += f" (by arrival rate: from {onset.rate:g} requests/s)"
+    return replace(verdict, headline=headline, evidence=(line, *verdict.evidence))
 
 
 def server_type(server: ServerInfo | None) -> str:

@@ -7,7 +7,15 @@ import asyncio
 import os
 from typing import Any, cast, get_args
 
-from proxy.config import ConfigError, flag_type, parse_positive_int, parse_seconds, parse_upstream_url
+from proxy.config import (
+    ConfigError,
+    flag_type,
+    parse_positive_int,
+    parse_positive_seconds,
+    parse_seconds,
+    parse_upstream_url,
+)
+from proxy.sweep.open_loop import Slo, parse_rates, parse_slo
 from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepPlan
 from proxy.sweep.session import execute, exit_code
 from proxy.sweep.verdict import VerdictKind
@@ -93,7 +101,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "sweep", help="the same request at rising concurrency, with a verdict on what changed",
         description="Closed-loop sweep: at each level exactly L streaming requests are in flight, every "
-                    "one identical (prompt, budget, seed); prints a table per level and a verdict.")
+                    "one identical (prompt, budget, seed); prints a table per level and a verdict. With --rates, "
+                    "open loop: requests arrive at each rate whatever is in flight, scored by goodput.")
     parser.add_argument("--target", required=True, type=flag_type(parse_upstream_url), metavar="URL",
                         help="base URL to send requests to: the proxy (or the server itself)")
     parser.add_argument("--admin", type=flag_type(parse_upstream_url), default=None, metavar="URL",
@@ -105,6 +114,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--dialect", choices=SWEEP_DIALECTS, default="openai",
                         help="openai: /v1/chat/completions (SSE); ollama: /api/chat (NDJSON); "
                              "anthropic: /v1/messages; responses: /v1/responses (default openai)")
+    parser.add_argument("--rates", type=flag_type(parse_rates), default=None, metavar="R1,R2,...",
+                        help="open loop instead of --levels: requests per second, sent on time whatever is in "
+                             "flight (e.g. 1,2,4,8); the verdict's levels are the concurrency each request met")
+    parser.add_argument("--arrivals", choices=("constant", "poisson"), default="constant",
+                        help="open loop: evenly spaced, or Poisson arrivals from --seed (default constant)")
+    parser.add_argument("--rate-seconds", type=flag_type(parse_positive_seconds), default=30.0, metavar="SECONDS",
+                        help="open loop: how long each rate sends (default %(default)s)")
+    parser.add_argument("--slo", type=flag_type(parse_slo), default=None, metavar="TARGETS",
+                        help="goodput's targets, e.g. ttft=500ms,itl=50ms,e2e=30s: an answer counts when it "
+                             "ended on its own within all of them (default: ended on its own)")
     parser.add_argument("--warmup", type=flag_type(parse_non_negative_int), default=1,
                         help="unrecorded requests sent first, so a model load is not measured (default 1)")
     add_sweep_arguments(parser)
@@ -124,7 +143,17 @@ def plan_from_args(args: argparse.Namespace, target: str, admin: str | None, mod
                      levels=args.levels, repeats=args.repeats, prompt=args.prompt, max_tokens=args.max_tokens,
                      seed=args.seed, temperature=args.temperature, model=model,
                      dialect=cast(SweepDialect, dialect if dialect in SWEEP_DIALECTS else "openai"),
-                     timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1))
+                     timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1),
+                     rates=getattr(args, "rates", None) or (), arrivals=getattr(args, "arrivals", "constant"),
+                     rate_seconds=getattr(args, "rate_seconds", 30.0), slo=_slo_text(getattr(args, "slo", None)))
+
+
+def _slo_text(slo: Slo | None) -> str | None:
+    if slo is None:
+        return None
+    parts = [f"{name}={value}s" for name, value in (("ttft", slo.ttft_s), ("itl", slo.itl_s), ("e2e", slo.e2e_s))
+             if value is not None]
+    return ",".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
