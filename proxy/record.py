@@ -195,6 +195,15 @@ class ResponseRecord:
     preemptions_scope: str | None = None
     observer_errors: list[str] = field(default_factory=list)
 
+    def to_compact_dict(self) -> dict[str, Any]:
+        """`to_dict()` without the fields that are None (what a stored record needs: they are the
+        defaults `record_from_dict` puts back), in one pass."""
+        out = {name: value for name, value in zip(_RECORD_FIELDS, _record_values(self), strict=True)
+               if value is not None}
+        out["cause"] = self.cause
+        out["outcome"] = self.outcome
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat dict (a shallow copy: dataclasses.asdict's deep copy costs ~10x), with
         the `cause` and `outcome` the metrics count it under."""

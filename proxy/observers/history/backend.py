@@ -95,12 +95,11 @@ class Backend(Protocol):
 
 def row_of(record: ResponseRecord) -> tuple[Any, ...]:
     """The row of a record: its query columns and its body."""
-    body = record.to_dict()
-    compact = {name: value for name, value in body.items() if value is not None}
+    body = record.to_compact_dict()
     return (_text(record.instance) or "", _text(record.upstream), _text(record.client), _text(record.request_id),
             _text(record.upstream_request_id), record.started_at, _text(record.model), _text(record.route),
             record.stop_reason, record.length_cause, body["cause"], body["outcome"],
-            concurrency_bucket(record.concurrency_peak), orjson.dumps(compact, default=str))
+            concurrency_bucket(record.concurrency_peak), orjson.dumps(body, default=str))
 
 
 def _text(value: str | None) -> str | None:

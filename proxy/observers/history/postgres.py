@@ -118,7 +118,7 @@ class PostgresBackend:
             with self._connection.transaction(), self._connection.cursor() as cursor:
                 with cursor.copy(COPY) as copy:
                     for row in rows:
-                        copy.write_row([*(_no_nul(value) for value in row[:-1]), _json_text(row[-1])])
+                        copy.write_row(_no_nul(row))
                 cursor.execute(INSERT)
         except psycopg.Error as exc:
             raise self._failure(exc) from None
@@ -216,6 +216,18 @@ def _json_text(body: bytes) -> str:
     return body.decode()
 
 
-def _no_nul(value: Any) -> Any:
-    """PostgreSQL's text holds no NUL character; a record's may (a model name a client sent)."""
-    return value.replace("\x00", "\ufffd") if isinstance(value, str) and "\x00" in value else value
+# The text columns whose value a client or a server chose freely (the others are the proxy's own
+# words, a validated id, or printable by construction): the model and the upstream's request id.
+_FREE_TEXT = (COLUMNS.index("model"), COLUMNS.index("upstream_request_id"))
+
+
+def _no_nul(row: tuple[Any, ...]) -> list[Any]:
+    """A row as COPY takes it: PostgreSQL's text holds no NUL character, which a model name a client
+    sent may; U+FFFD in its place, and the body as JSON text."""
+    out = list(row)
+    for index in _FREE_TEXT:
+        value = out[index]
+        if value is not None and "\x00" in value:
+            out[index] = value.replace("\x00", "\ufffd")
+    out[-1] = _json_text(out[-1])
+    return out
