@@ -445,19 +445,24 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
             line += (f" {relayed:>12,.0f} {relayed / rate:>6.3f} {used / events * 1e6:>15.2f}"
                      f" {f'{p50:.2f}/{p99:.2f}':>17}")
         print(line, flush=True)
-    print(f"# paced: {args.paced_tokens}-token streams, one event every {args.token_interval * 1000:g} ms, starts "
-          "spread over a stream's length, 4 streams per slot: the TTFT each relay adds under a steady load")
+    print(f"# paced: {args.paced_tokens}-token streams, one event every {args.token_interval * 1000:g} ms in a "
+          "write of its own (as vLLM, llama.cpp and Ollama send), starts spread over a stream's length, 4 streams "
+          "per slot: the TTFT each relay adds under a steady load, and its CPU per relayed event (all of it: the "
+          "requests' own cost shared over their events) and how busy its core was")
     print(f"{'streams':>7} {'direct TTFT p50/p99 ms':>23}"
-          + "".join(f" {name + ' +p50/p99 ms':>20}" for name in relays))
+          + "".join(f" {name + ' +p50/p99 ms':>20} {'us/event':>9} {'busy':>5}" for name in relays))
     for concurrency in levels:
         direct_ttft = asyncio.run(staggered(setup.urls["direct"], concurrency, 4, args.paced_tokens,
                                             args.token_interval))
         line = (f"{concurrency:>7} "
                 f"{f'{statistics.median(direct_ttft) * 1000:.2f}/{percentile(direct_ttft, 0.99) * 1000:.2f}':>23}")
         for name in relays:
+            before, started = cpu_seconds(setup.processes[name].pid), time.perf_counter()
             ttfts = asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens, args.token_interval))
+            used, elapsed = cpu_seconds(setup.processes[name].pid) - before, time.perf_counter() - started
+            events = concurrency * (1 + EXTRA_EVENTS) + concurrency * 4 * (args.paced_tokens + EXTRA_EVENTS)
             p50, p99 = added_ms(direct_ttft, ttfts)
-            line += f" {f'{p50:.2f}/{p99:.2f}':>20}"
+            line += f" {f'{p50:.2f}/{p99:.2f}':>20} {used / events * 1e6:>9.2f} {used / elapsed:>5.0%}"
         print(line, flush=True)
     if args.requests:
         parts = []

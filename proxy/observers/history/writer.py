@@ -20,10 +20,9 @@ response holds its record.
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,8 +41,6 @@ FLUSH_S = 0.2  # the longest a record waits before its batch is written
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 SETTLE_S = 2.0  # the longest a listing waits for the records before it to be written
-_FLUSH = object()  # in the buffer: write what is in hand now (a listing waits for it)
-_STOP = object()
 
 
 class History(Observer):
@@ -60,8 +57,11 @@ class History(Observer):
         self.max_bytes = max_bytes
         self.buffer = buffer
         self._metrics = metrics
-        self._queue: queue.Queue[object] = queue.Queue(buffer)
-        self._flush_asked = False  # a flush mark is in the buffer
+        # The buffer: appended to by the event loop without a lock or a wake-up (a deque's append and
+        # popleft are atomic); the writer looks every FLUSH_S, or at once when a batch is full or a
+        # listing waits. A lock and a wake-up per record cost the loop more than the write itself.
+        self._pending: deque[ResponseRecord] = deque()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.up = False
@@ -97,8 +97,7 @@ class History(Observer):
         if self._thread is None:
             return
         self._stopping.set()
-        with contextlib.suppress(queue.Full):  # full: the stop event alone ends it once the buffer is written
-            self._queue.put_nowait(_STOP)
+        self._wake.set()
         self._thread.join(timeout_s)
         self._thread = None
         left = self._handed - self._settled
@@ -109,12 +108,14 @@ class History(Observer):
     def on_response(self, record: ResponseRecord) -> None:
         if self._thread is None:
             return
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
+        pending = self._pending
+        if len(pending) >= self.buffer:
             self._dropped(1)
             return
+        pending.append(record)
         self._handed += 1
+        if len(pending) == BATCH_MAX:
+            self._wake.set()
 
     def settle(self, timeout_s: float = SETTLE_S) -> bool:
         """Wait until what was handed to the writer before this call is written or counted as
@@ -124,12 +125,7 @@ class History(Observer):
             return False
         if self._settled >= target:
             return True
-        if not self._flush_asked:
-            self._flush_asked = True
-            try:
-                self._queue.put_nowait(_FLUSH)
-            except queue.Full:
-                self._flush_asked = False  # full: the writer writes whole batches without waiting anyway
+        self._wake.set()
         with self._progress:
             return self._progress.wait_for(lambda: self._settled >= target, timeout_s)
 
@@ -178,28 +174,14 @@ class History(Observer):
         self.backend.close()
 
     def _collect(self) -> tuple[list[ResponseRecord], bool]:
-        """The next batch: what comes within FLUSH_S of its first record (or until a flush mark),
-        at most BATCH_MAX; and whether the stop mark came."""
-        batch: list[ResponseRecord] = []
-        try:
-            item = self._queue.get(timeout=1.0)
-        except queue.Empty:
-            return batch, self._stopping.is_set() and self._queue.empty()
-        deadline = time.monotonic() + FLUSH_S
-        while True:
-            if item is _STOP:
-                return batch, True
-            if item is _FLUSH:
-                self._flush_asked = False
-                return batch, False
-            assert isinstance(item, ResponseRecord)
-            batch.append(item)
-            if len(batch) >= BATCH_MAX:
-                return batch, False
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return batch, False
+        """The next batch: what is buffered after FLUSH_S (or at once when woken: a full batch, a
+        listing that waits, the stop), at most BATCH_MAX; and whether the writer is to stop."""
+        pending = self._pending
+        if len(pending) < BATCH_MAX:
+            self._wake.wait(FLUSH_S)
+        self._wake.clear()
+        batch = [pending.popleft() for _ in range(min(len(pending), BATCH_MAX))]
+        return batch, self._stopping.is_set() and not pending
 
     def _done(self, written: int, dropped: int) -> None:
         self.written += written
