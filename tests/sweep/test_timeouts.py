@@ -16,11 +16,13 @@ from proxy.record import ResponseRecord
 from proxy.sweep.stats import summarize
 from proxy.sweep.timeouts import repeated_cuts
 from proxy.sweep.verdict import decide
+from tests.serve.test_admin_page import dom
 from tests.support.cutting_relay import CuttingRelay
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.sweep_samples import level, sample
 from tests.support.wire import openai_stream
+from tests.sweep.test_report_browser import CHROMIUM
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +105,9 @@ async def test_a_relay_that_cuts_in_front_of_the_proxy_and_one_behind_it_are_nam
         async with aiohttp.ClientSession() as client, client.get(
                 proxies[0].admin_url + "/api/diagnose?min_per_level=1") as response:
             api = orjson.loads(await response.read())
+        if CHROMIUM is not None:  # the page says it too, in the real browser
+            page = await asyncio.to_thread(dom, proxies[0].admin_url + "/")
+            assert "A timeout in the path (client side)" in page and "cut at 2.5 s, 4 times" in page
     finally:
         await behind.close()
     assert [(t["side"], t["count"]) for t in api["timeouts"]] == [("client", 4)]

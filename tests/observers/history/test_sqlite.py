@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -153,3 +154,27 @@ def test_the_cli_default_is_a_file_per_proxy_in_the_users_state_directory(tmp_pa
     finally:
         del os.environ["XDG_STATE_HOME"]
     assert history_path("off") is None and history_path("/x/y.db") == "/x/y.db"
+
+
+async def test_a_database_made_by_an_older_version_gets_the_new_columns_and_keeps_its_records(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE records (seq INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL,
+            upstream_request_id TEXT, started_at REAL NOT NULL, model TEXT, route TEXT, stop_reason TEXT,
+            length_cause TEXT, cause TEXT, outcome TEXT, concurrency TEXT, body BLOB NOT NULL);""")
+    body = orjson.dumps(record("before", time.time()).to_dict())
+    old.execute("INSERT INTO records (request_id, started_at, model, stop_reason, body) VALUES (?, ?, ?, ?, ?)",
+                ("before", time.time(), "m", "eos", body))
+    old.commit()
+    old.close()
+    history = History(str(path), max_age_s=0, max_bytes=0)
+    assert history.open()
+    history.on_response(replace(record("after", time.time()), instance="a:1", client="key:0123456789ab"))
+    assert await asyncio.to_thread(history.settle, 5.0)
+    await asyncio.to_thread(history.close)
+    assert [r.request_id for r in history.page(RecordQuery()).records] == ["after", "before"]
+    assert [r.request_id for r in history.page(RecordQuery(client="key:0123456789ab")).records] == ["after"]
+    assert [r.request_id for r in history.page(RecordQuery(instance="a:1")).records] == ["after"]
