@@ -465,17 +465,17 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
             line += f" {f'{p50:.2f}/{p99:.2f}':>20} {used / events * 1e6:>9.2f} {used / elapsed:>5.0%}"
         print(line, flush=True)
     if args.requests:
-        parts = []
         for name in relays:
             asyncio.run(short_requests(setup.urls[name], WARM_UP, 16))  # its pool grown, its code paths warm
-            costs = []
-            for _ in range(args.fixed_rounds):
+        costs: dict[str, list[float]] = {name: [] for name in relays}
+        for _ in range(args.fixed_rounds):  # the relays' rounds interleaved: a drift of the machine hits all alike
+            for name in relays:
                 before = cpu_seconds(setup.processes[name].pid)
                 asyncio.run(short_requests(setup.urls[name], args.requests, 16))
-                costs.append((cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6)
-            parts.append(f"{name} {statistics.median(costs):.0f} us ({min(costs):.0f}-{max(costs):.0f})")
+                costs[name].append((cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6)
+        parts = [f"{name} {statistics.median(c):.0f} us ({min(c):.0f}-{max(c):.0f})" for name, c in costs.items()]
         print(f"# fixed cost: CPU per request, median of {args.fixed_rounds} rounds of {args.requests} 4-token "
-              f"streams at 16 in flight after {WARM_UP} unmeasured: " + ", ".join(parts))
+              f"streams at 16 in flight after {WARM_UP} unmeasured, the relays' rounds in turn: " + ", ".join(parts))
     if args.ttft_samples:
         samples = asyncio.run(idle_ttft(setup.urls, args.ttft_samples))
         parts = [f"direct p50 {statistics.median(samples['direct']) * 1000:.2f} ms"]
