@@ -39,16 +39,38 @@ class _CallbackCounter(Collector):
         yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
+class BoundedLabel:
+    """A label whose values are the first `limit` distinct names, then `other`; no name is `none`."""
+
+    __slots__ = ("_seen", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def label(self, name: str | None) -> tuple[str, bool]:
+        """The label for `name`, and whether it is a label's first use (`none` never counts)."""
+        if not name:
+            return NO_MODEL, False
+        if name in self._seen:
+            return name, False
+        if len(self._seen) >= self.limit:
+            name = OTHER_MODEL
+            if name in self._seen:
+                return name, False
+        self._seen.add(name)
+        return name, True
+
+
 class ProxyMetrics:
     """The proxy's metrics in their own registry, so several proxies can live in one process."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50, max_clients: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.max_models = max_models
-        self._models: set[str] = set()
-        self._other_started = False
+        self._models = BoundedLabel(max_models)
         self.max_clients = max_clients
-        self._clients: set[str] = set()
+        self._clients = BoundedLabel(max_clients)
         r = self.registry
         # Per client only when asked (--client-metrics N): a bounded label, the first N then `other`.
         self.client_requests = Counter(
@@ -190,29 +212,14 @@ class ProxyMetrics:
 
     def client_label(self, client: str | None) -> str:
         """A bounded client label: the first `max_clients` distinct names, then `other`."""
-        if not client:
-            return "none"
-        if client in self._clients:
-            return client
-        if len(self._clients) >= self.max_clients:
-            return OTHER_MODEL
-        self._clients.add(client)
-        return client
+        return self._clients.label(client)[0]
 
     def model_label(self, model: str | None) -> str:
         """A bounded model label: the first `max_models` distinct names, then `other`."""
-        if not model:
-            return NO_MODEL
-        if model in self._models:
-            return model
-        if len(self._models) >= self.max_models:
-            if not self._other_started:
-                self._other_started = True
-                self._start_truncation_series(OTHER_MODEL)
-            return OTHER_MODEL
-        self._models.add(model)
-        self._start_truncation_series(model)
-        return model
+        label, first = self._models.label(model)
+        if first:
+            self._start_truncation_series(label)
+        return label
 
     def _start_truncation_series(self, model: str) -> None:
         """A model's server_limit and prompt-cut counts at 0 from its first response on: what alerts

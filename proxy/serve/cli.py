@@ -35,6 +35,7 @@ from proxy.config import (
 )
 
 PROG = "llm-diag-proxy"
+
 # Modules that add a subcommand through `register(subparsers)`; serve is defined here.
 SUBCOMMAND_MODULES = ("proxy.simulator.simulate_command", "proxy.sweep.sweep_command", "proxy.sweep.diagnose_command",
                       "proxy.serve.demo")
@@ -48,7 +49,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
-def env_default(name: str, fallback: str) -> str:
+def env_default(name: str, fallback: T = None) -> str | T:  # type: ignore[assignment]
+    """A flag's default from the environment (an empty variable counts as unset)."""
     return os.environ.get(name) or fallback
 
 
@@ -78,11 +80,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-body-cap", type=flag_type(parse_positive_int), default=32 * 1024 * 1024,
                         metavar="BYTES", help="largest request body parsed for diagnosis; larger ones pass "
                                               "through unparsed (default 32 MiB)")
-    parser.add_argument("--admin-token", metavar="TOKEN", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
+    parser.add_argument("--admin-token", metavar="TOKEN", default=env_default("LLM_DIAG_ADMIN_TOKEN"),
                         help="require 'Authorization: Bearer TOKEN' on the admin API's /api/* "
                              "(env LLM_DIAG_ADMIN_TOKEN; default: no token)")
     parser.add_argument("--admin-allowed-hosts", type=flag_type(parse_host_names),
-                        default=os.environ.get("LLM_DIAG_ADMIN_ALLOWED_HOSTS") or "", metavar="NAMES",
+                        default=env_default("LLM_DIAG_ADMIN_ALLOWED_HOSTS", ""), metavar="NAMES",
                         help="host names the admin page and record API answer to, comma-separated, beside IP "
                              "addresses and localhost (env LLM_DIAG_ADMIN_ALLOWED_HOSTS; * for any): any other "
                              "Host is refused, so a web page that rebinds its name to the proxy finds nothing")
@@ -94,7 +96,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS", help="how often the upstream's state is read (default %(default)s; "
                                                 "--upstream-metrics off turns it off)")
     parser.add_argument("--server-tokenizer", choices=("on", "off"),
-                        default=os.environ.get("LLM_DIAG_SERVER_TOKENIZER") or "on",
+                        default=env_default("LLM_DIAG_SERVER_TOKENIZER", "on"),
                         help="for a length stop whose tokens were only counted (no usage on the wire), ask the "
                              "upstream's own tokenizer for the prompt's count, after the response (default on; env "
                              "LLM_DIAG_SERVER_TOKENIZER)")
@@ -110,27 +112,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
                         metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
                                               "response bodies; beyond it bodies pass unread (default 256 MiB)")
-    parser.add_argument("--history", default=os.environ.get("LLM_DIAG_HISTORY") or None, metavar="PATH|URL|off",
+    parser.add_argument("--history", default=env_default("LLM_DIAG_HISTORY"), metavar="PATH|URL|off",
                         help="keep every record across restarts: a SQLite file, or postgresql://USER@HOST/DB for one "
                              "database shared by a fleet of proxies (env LLM_DIAG_HISTORY; default a file per proxy, "
                              "keyed by its listen address and upstream, in ~/.local/state/llm-diag-proxy; "
                              "off: memory only)")
-    parser.add_argument("--history-password-file", default=os.environ.get("LLM_DIAG_HISTORY_PASSWORD_FILE") or None,
+    parser.add_argument("--history-password-file", default=env_default("LLM_DIAG_HISTORY_PASSWORD_FILE"),
                         metavar="FILE", help="the PostgreSQL password, read from this file's first line (env "
                                              "LLM_DIAG_HISTORY_PASSWORD_FILE; PGPASSWORD and ~/.pgpass work too)")
     parser.add_argument("--history-buffer", type=flag_type(parse_positive_int), default=50_000, metavar="N",
                         help="records that wait for the history while it is slow or down; past them records are "
                              "counted as dropped (default %(default)s)")
-    parser.add_argument("--client-header", default=os.environ.get("LLM_DIAG_CLIENT_HEADER") or None, metavar="NAME",
+    parser.add_argument("--client-header", default=env_default("LLM_DIAG_CLIENT_HEADER"), metavar="NAME",
                         help="a request header that names the client (X-Client-Id, OpenAI-Project) for the record's "
                              "`client`; default: a keyed hash of the request's API key, never the key")
-    parser.add_argument("--client-secret-file", default=os.environ.get("LLM_DIAG_CLIENT_SECRET_FILE") or None,
+    parser.add_argument("--client-secret-file", default=env_default("LLM_DIAG_CLIENT_SECRET_FILE"),
                         metavar="FILE", help="the key of that hash (share one across a fleet so a client is the same "
                                              "everywhere; default: made once in ~/.local/state/llm-diag-proxy)")
     parser.add_argument("--client-metrics", type=flag_type(parse_count), default=0, metavar="N",
                         help="count requests by client in llm_proxy_client_requests_total, the first N clients "
                              "by name and the rest as `other` (default 0: no per-client metric)")
-    parser.add_argument("--instance", default=os.environ.get("LLM_DIAG_INSTANCE") or None, metavar="NAME",
+    parser.add_argument("--instance", default=env_default("LLM_DIAG_INSTANCE"), metavar="NAME",
                         help="this proxy's name on its records, to tell replicas apart in a shared history "
                              "(env LLM_DIAG_INSTANCE; default HOSTNAME:PORT of --listen)")
     parser.add_argument("--history-max-age", type=flag_type(parse_duration), default=7 * 86400.0, metavar="AGE",

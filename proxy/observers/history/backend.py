@@ -18,6 +18,7 @@ Reads raise `HistoryReadError`, whose message never holds a password.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -121,6 +122,35 @@ def where(query: RecordQuery, mark: str) -> tuple[str, tuple[Any, ...]]:
             clauses.append(f"{condition} {mark}")
             args.append(value)
     return ("WHERE " + " AND ".join(clauses) if clauses else ""), tuple(args)
+
+
+@dataclass(frozen=True, slots=True)
+class Queries:
+    """The reads every backend answers, written once: its table, how its body column reads as JSON
+    text, and its placeholder (`?` or `%s`). Each returns the SQL and its arguments."""
+
+    table: str
+    body: str
+    mark: str
+
+    def page(self, query: RecordQuery) -> tuple[str, tuple[Any, ...]]:
+        """`limit + 1` rows of (seq, body), newest first (see page_from_rows)."""
+        clause, args = where(query, self.mark)
+        return (f"SELECT seq, {self.body} FROM {self.table} {clause} ORDER BY seq DESC LIMIT {self.mark}",
+                (*args, query.limit + 1))
+
+    def get(self, request_id: str) -> tuple[str, tuple[Any, ...]]:
+        """The newest body with this id, the proxy's or the upstream's own."""
+        return (f"SELECT {self.body} FROM {self.table} WHERE request_id = {self.mark} OR upstream_request_id = "
+                f"{self.mark} ORDER BY seq DESC LIMIT 1", (request_id, request_id))
+
+    def iterate(self, query: RecordQuery, limit: int) -> tuple[str, tuple[Any, ...]]:
+        """Bodies oldest first, at most `limit`."""
+        clause, args = where(query, self.mark)
+        return f"SELECT {self.body} FROM {self.table} {clause} ORDER BY seq LIMIT {self.mark}", (*args, limit)
+
+    def count(self) -> str:
+        return f"SELECT COUNT(*) FROM {self.table}"
 
 
 def page_from_rows(rows: list[tuple[int, Any]], limit: int) -> Page:

@@ -20,18 +20,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from proxy.config import redact_url
 from proxy.observers.history.backend import (
     COLUMNS,
     HistoryReadError,
+    Queries,
     Rejected,
     Unavailable,
     page_from_rows,
     record_from_body,
     row_of,
-    where,
 )
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord
@@ -61,6 +60,7 @@ CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id ON {TABLE} (upstream_requ
 """
 # A batch goes by COPY into a staging table of the session (emptied at each commit), then into the
 # table with ON CONFLICT DO NOTHING: COPY is PostgreSQL's fastest way in, and cannot skip conflicts itself.
+QUERIES = Queries(TABLE, "body::text", "%s")
 STAGE = f"{TABLE}_stage"
 MAKE_STAGE = (f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} (instance TEXT, upstream TEXT, client TEXT, request_id TEXT, "
               "upstream_request_id TEXT, started_at DOUBLE PRECISION, model TEXT, route TEXT, stop_reason TEXT, "
@@ -166,30 +166,25 @@ class PostgresBackend:
                 connection.close()
 
     def page(self, query: RecordQuery) -> Page:
-        clause, args = where(query, "%s")
         with self._reader() as connection:
-            rows = connection.execute(f"SELECT seq, body::text FROM {TABLE} {clause} ORDER BY seq DESC LIMIT %s",
-                                      (*args, query.limit + 1)).fetchall()
+            rows = connection.execute(*QUERIES.page(query)).fetchall()
         return page_from_rows(rows, query.limit)
 
     def get(self, request_id: str) -> ResponseRecord | None:
         with self._reader() as connection:
-            row = connection.execute(f"SELECT body::text FROM {TABLE} WHERE request_id = %s OR "
-                                     f"upstream_request_id = %s ORDER BY seq DESC LIMIT 1",
-                                     (request_id, request_id)).fetchone()
+            row = connection.execute(*QUERIES.get(request_id)).fetchone()
         return record_from_body(row[0]) if row else None
 
     def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
-        clause, args = where(query, "%s")
         with self._reader() as connection, connection.transaction(), connection.cursor(name="records") as cursor:
-            cursor.itersize = 2000
-            cursor.execute(f"SELECT body::text FROM {TABLE} {clause} ORDER BY seq LIMIT %s", (*args, limit))
+            cursor.itersize = 2000  # a server-side cursor: 200,000 records are not held at once
+            cursor.execute(*QUERIES.iterate(query, limit))
             for (body,) in cursor:
                 yield record_from_body(body)
 
     def count(self) -> int:
         with self._reader() as connection:
-            row = connection.execute(sql.SQL("SELECT COUNT(*) FROM {}").format(sql.Identifier(TABLE))).fetchone()
+            row = connection.execute(QUERIES.count()).fetchone()
         return int(row[0]) if row else 0
 
     def size_bytes(self) -> int:

@@ -16,11 +16,11 @@ from pathlib import Path
 from proxy.observers.history.backend import (
     COLUMNS,
     HistoryReadError,
+    Queries,
     Rejected,
     page_from_rows,
     record_from_body,
     row_of,
-    where,
 )
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord
@@ -41,6 +41,7 @@ CREATE INDEX IF NOT EXISTS records_request_id ON records (request_id);
 # After the columns of an older database are added: the key that makes a write idempotent.
 KEY = ("CREATE UNIQUE INDEX IF NOT EXISTS records_key ON records (instance, request_id, started_at);"
        "CREATE INDEX IF NOT EXISTS records_upstream_request_id ON records (upstream_request_id);")
+QUERIES = Queries("records", "body", "?")
 INSERT = f"INSERT OR IGNORE INTO records ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 
@@ -154,28 +155,23 @@ class SQLiteBackend:
             connection.close()
 
     def page(self, query: RecordQuery) -> Page:
-        clause, args = where(query, "?")
         with self._reader() as connection:
-            rows = connection.execute(f"SELECT seq, body FROM records {clause} ORDER BY seq DESC LIMIT ?",
-                                      (*args, query.limit + 1)).fetchall()
+            rows = connection.execute(*QUERIES.page(query)).fetchall()
         return page_from_rows(rows, query.limit)
 
     def get(self, request_id: str) -> ResponseRecord | None:
         with self._reader() as connection:
-            row = connection.execute("SELECT body FROM records WHERE request_id = ? OR upstream_request_id = ? "
-                                     "ORDER BY seq DESC LIMIT 1", (request_id, request_id)).fetchone()
+            row = connection.execute(*QUERIES.get(request_id)).fetchone()
         return record_from_body(row[0]) if row else None
 
     def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
-        clause, args = where(query, "?")
         with self._reader() as connection:
-            for (body,) in connection.execute(f"SELECT body FROM records {clause} ORDER BY seq LIMIT ?",
-                                              (*args, limit)):
+            for (body,) in connection.execute(*QUERIES.iterate(query, limit)):
                 yield record_from_body(body)
 
     def count(self) -> int:
         with self._reader() as connection:
-            return int(connection.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+            return int(connection.execute(QUERIES.count()).fetchone()[0])
 
     def size_bytes(self) -> int:
         return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))

@@ -50,8 +50,6 @@ class History(Observer):
                  page_limit: int | None = None, password: str | None = None, buffer: int = BUFFER) -> None:
         self.source = HistorySource(target, password)
         self.backend: Backend = self.source.backend(page_limit=page_limit)
-        self.path = target  # what a reader opens (with `source`): a file path or a URL
-        self.shown = self.source.shown
         self.retention_every_s = self.source.retention_every_s
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
@@ -72,6 +70,11 @@ class History(Observer):
         self._progress = threading.Condition()
         self._failing: str | None = None
         self._retained_at = 0.0
+
+    @property
+    def shown(self) -> str:
+        """Where the history is, as it may be shown (a URL's password hidden)."""
+        return self.source.shown
 
     # --- lifecycle ----------------------------------------------------------------------------
     def open(self) -> bool:

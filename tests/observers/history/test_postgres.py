@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
@@ -15,16 +14,8 @@ from proxy.observers.history import History, HistoryReadError
 from proxy.observers.history.postgres import PostgresBackend
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import RecordQuery
-from proxy.record import ResponseRecord
+from tests.support.history import record, written_with_retention
 from tests.support.postgres import PASSWORD, PostgresServer
-
-
-def record(request_id: str, started_at: float, **fields: object) -> ResponseRecord:
-    base = ResponseRecord(request_id=request_id, method="POST", path="/v1/chat/completions",
-                          route="/v1/chat/completions", dialect="openai", started_at=started_at, model="m",
-                          status=200, output_tokens=10, stop_reason="eos", instance="a:8080",
-                          upstream="http://10.0.0.1:8000")
-    return replace(base, **fields)  # type: ignore[arg-type]
 
 
 async def settled(history: History) -> None:
@@ -168,11 +159,7 @@ async def test_a_wrong_password_is_one_clear_line_without_the_password(postgres:
 
 async def test_the_password_may_come_from_a_file_and_retention_goes_by_age(postgres: PostgresServer) -> None:
     history = History(postgres.url(password=None), max_age_s=3600, max_bytes=0, password=PASSWORD)
-    history.retention_every_s = 0.0
-    assert history.open()
     now = time.time()
-    for n in range(10):
-        history.on_response(record(f"a{n}", now - 7200 if n < 6 else now))
-    await asyncio.to_thread(history.close)
+    await written_with_retention(history, (record(f"a{n}", now - 7200 if n < 6 else now) for n in range(10)))
     assert history.count() == 4 and {r.request_id for r in history.between(None)} == {"a6", "a7", "a8", "a9"}
     assert history.size_bytes() > 0

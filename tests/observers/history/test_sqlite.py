@@ -16,6 +16,8 @@ from proxy.observers.history import History
 from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord
 from proxy.serve.app import start_proxy
+from tests.support.history import record as stored_record
+from tests.support.history import written_with_retention
 from tests.support.proxies import ProxyFactory, proxy_config
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream
@@ -108,12 +110,8 @@ async def test_a_full_disk_drops_records_from_the_history_only_and_says_so(tmp_p
 
 async def test_retention_by_age_and_by_size(tmp_path: Path) -> None:
     old = History(str(tmp_path / "age.sqlite3"), max_age_s=3600, max_bytes=0)
-    old.retention_every_s = 0.0
-    assert old.open()
     now = time.time()
-    for n in range(20):
-        old.on_response(record(f"a{n}", now - 7200 if n < 15 else now))
-    await asyncio.to_thread(old.close)
+    await written_with_retention(old, (record(f"a{n}", now - 7200 if n < 15 else now) for n in range(20)))
     assert old.count() == 5 and {r.request_id for r in old.between(None)} == {f"a{n}" for n in range(15, 20)}
 
     small = History(str(tmp_path / "size.sqlite3"), max_age_s=0, max_bytes=256 * 1024)
@@ -130,9 +128,8 @@ async def test_retention_by_age_and_by_size(tmp_path: Path) -> None:
 
 
 def record(request_id: str, started_at: float) -> ResponseRecord:
-    return ResponseRecord(request_id=request_id, method="POST", path="/v1/chat/completions",
-                          route="/v1/chat/completions", dialect="openai", started_at=started_at, model="m",
-                          status=200, output_tokens=10, stop_reason="eos", upstream_error_detail="x" * 2000)
+    """A record of a few KB: the size limits below count in pages."""
+    return stored_record(request_id, started_at, upstream_error_detail="x" * 2000)
 
 
 def test_the_cli_default_is_a_file_per_proxy_in_the_users_state_directory(tmp_path: Path) -> None:
