@@ -175,7 +175,12 @@ async def test_a_killed_worker_holding_a_request_body_gives_its_parse_budget_bac
     while await metric(served.admin_url, "llm_proxy_parse_budget_used_bytes") < 8_000_000:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
-    os.kill(served.children()[0], signal.SIGKILL)
+    # The kernel spreads connections over the workers by a hash: kill one that holds some (with
+    # two workers, all four land on one of them one time in eight).
+    ports = {writer.get_extra_info("sockname")[1] for _, writer in connections}
+    holders = [pid for pid in served.children() if accepted_from(pid, ports)]
+    assert holders, "no worker holds the connections"
+    os.kill(holders[0], signal.SIGKILL)
     await asyncio.sleep(1.0)
     used = await metric(served.admin_url, "llm_proxy_parse_budget_used_bytes")
     assert used % 2_000_000 == 0 and used < 8_000_000  # the dead worker's share went back, the rest held
@@ -236,3 +241,21 @@ async def test_ready_only_once_the_proxy_port_accepts(upstream: ScriptedUpstream
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=40)
+
+
+def accepted_from(pid: int, client_ports: set[int]) -> bool:
+    """Whether process `pid` holds the server side of a TCP connection from one of `client_ports`
+    (its socket inodes against /proc/net/tcp's remote ports)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].rsplit(":", 1)[1], 16) in client_ports and fields[9] in inodes:
+            return True
+    return False
