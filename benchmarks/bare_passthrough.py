@@ -13,6 +13,9 @@ import argparse
 import aiohttp
 from aiohttp import web
 
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te",
+                         "upgrade", "proxy-connection"})
+
 
 def build(upstream: str) -> web.Application:
     app = web.Application()
@@ -26,8 +29,10 @@ def build(upstream: str) -> web.Application:
 
     async def relay(request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        headers = {name: value for name, value in request.headers.items()  # the benchmark's X-Bench-* too
+                   if name.lower() not in _HOP_BY_HOP}
         async with sessions[0].request(request.method, upstream + request.rel_url.raw_path_qs, data=body,
-                                       headers={"Content-Type": request.content_type}) as upstream_response:
+                                       headers=headers) as upstream_response:
             response = web.StreamResponse(status=upstream_response.status, headers={
                 "Content-Type": upstream_response.headers.get("Content-Type", "")})
             await response.prepare(request)

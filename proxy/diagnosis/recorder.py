@@ -9,6 +9,7 @@ feeds it from the proxy's side and the sweep from the client's side, so both cla
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -172,6 +173,12 @@ class Recorder:
     def chunk(self, data: bytes, now: float) -> None:
         """A chunk of the response body, already on its way to the client."""
         self.tally.feed(data, now)
+
+    @property
+    def chunk_sink(self) -> Callable[[bytes, float], None]:
+        """`chunk` without the call through the recorder, for the relay's per-read path (valid
+        from `response_head` on)."""
+        return self.tally.feed
 
     def body_ended(self, now: float) -> None:
         """No more body bytes: the end, a break or a cut (idempotent)."""

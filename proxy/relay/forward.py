@@ -9,7 +9,6 @@ traffic does not: the record says `parse_error`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import os
 import re
@@ -30,6 +29,7 @@ from proxy.diagnosis.clients import ClientNamer
 from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.recorder import ParseLimits, Recorder
 from proxy.diagnosis.server_check import ServerCheck
+from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import (
     REQUEST_SKIP,
@@ -92,18 +92,6 @@ def enforcement_event(media: str, kind: str, message: str) -> bytes:
     if media == "text/event-stream":
         return b"data: " + payload + b"\n\n"
     return payload + b"\n"
-
-
-def _fail_unended_body(content: aiohttp.StreamReader, closed: asyncio.Future[None]) -> None:
-    """The upstream connection is gone: a body it left neither ended nor failed fails now.
-
-    aiohttp's C parser drops a framing error mid-body (an invalid chunk size) on the floor: the
-    connection closes, but the body reader would wait for ever and the record never be made.
-    """
-    if content.is_eof() or content.exception() is not None:
-        return
-    content.set_exception(aiohttp.ClientPayloadError(
-        "the upstream connection closed without ending the body (invalid framing)"))
 
 
 class RelayedResponse(web.StreamResponse):
@@ -337,31 +325,30 @@ class _Exchange:
         content_type = upstream.headers.get("Content-Type", "")
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
         await response.prepare(self.request)
-        feed = recorder.chunk
-        read = upstream.content.readany
-        clock = time.monotonic
-        last = clock()
-        max_gap = 0.0
-        closed = upstream.closed
-        fail_unended = functools.partial(_fail_unended_body, upstream.content)
-        if closed is not None:
-            closed.add_done_callback(fail_unended)
+        writer = self.request.writer
+        client = self.request.protocol
+        pump = BodyPump(upstream.content, upstream.protocol, client,
+                        isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,
+                        time.monotonic())
         try:
             async with deadlines.guard():
+                pump.start()
                 while True:
-                    deadlines.arm(last)
-                    chunk = await read()
-                    deadlines.disarm()
-                    now = clock()
-                    if not chunk:
+                    deadlines.arm(pump.last)
+                    await pump.waiter
+                    if pump.stopped is not Stop.PAUSED:
                         break
-                    gap = now - last
-                    if gap > max_gap:
-                        max_gap = gap
-                    last = now
-                    await response.write(chunk)
-                    feed(chunk, now)
+                    deadlines.disarm()  # a slow client is not an idle upstream
+                    await writer.drain()
+                    pump.resume()
+            pump.detach()
+            if pump.stopped is Stop.CLIENT_GONE:
+                raise ConnectionResetError("the client's connection closed")
+            if pump.stopped is Stop.BROKE:
+                error = pump.error
+                raise error if isinstance(error, _BROKEN_UPSTREAM) else aiohttp.ClientPayloadError(str(error))
         except TimeoutError:
+            pump.detach()
             fired = deadlines.fired
             if fired is None:
                 raise
@@ -369,12 +356,12 @@ class _Exchange:
                 recorder.proxy_shutdown()
             else:
                 recorder.deadline_enforced(fired)
-            recorder.body_ended(clock())
+            recorder.body_ended(time.monotonic())
             await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
             return response
         except _BROKEN_UPSTREAM as exc:
             recorder.upstream_broke(f"upstream connection broke mid-body: {type(exc).__name__}: {exc}"[:300])
-            recorder.body_ended(clock())
+            recorder.body_ended(time.monotonic())
             self._break_client_connection(response)
             return response
         except ConnectionError:
@@ -383,13 +370,14 @@ class _Exchange:
             recorder.client_left()
             return response
         finally:
-            if closed is not None:
-                closed.remove_done_callback(fail_unended)  # pooled connections outlive the exchange
-            recorder.body_ended(clock())
-            self.max_gap = max_gap
+            pump.detach()
+            recorder.body_ended(pump.ended_at or time.monotonic())
+            self.max_gap = pump.max_gap
         try:
-            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked else None
-            writer = self.request.writer
+            if pump.relays_framing:
+                assert isinstance(writer, StreamWriter)
+                writer.chunked = False  # the last chunk and its trailers went as they came
+            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked and not pump.relays_framing else None
             if trailers is not None and isinstance(writer, StreamWriter) and writer.chunked:
                 await self._end_with_trailers(response, writer, trailers)
             await response.write_eof()

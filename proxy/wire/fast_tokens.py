@@ -14,6 +14,9 @@ Some servers change one scalar before the token in every event (Ollama's `create
 Responses API's `sequence_number`). When two learned shapes differ in exactly one such scalar,
 the shape keeps a hole there, checked the same way (another value must decode alike).
 
+A learned shape holds no CR or LF, and a plain body or hole holds no control byte, so an event the
+shapes count is one line: a parser may take a read of one such event whole without splitting it.
+
 A string body is plain when it holds no quote, no control byte, no escape other than
 `\\n \\t \\" \\\\ \\/ \\b \\f \\r`, and is valid UTF-8: then the event is valid JSON exactly when the
 learned one was. Anything else is decoded, so records are the same with and without this path
@@ -34,6 +37,7 @@ Interpret = Callable[[Any], list[Event]]
 
 _STRING_BODY = re.compile(rb'(?:[^"\\]|\\.)*', re.DOTALL)  # up to the closing quote of a JSON string
 UNSAFE = re.compile(rb'["\\\x00-\x1f]')  # a body without these is a plain JSON string body
+_LINE_BREAK = re.compile(rb"[\r\n]")  # never in a learned shape
 _ESCAPED_BODY = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*')
 _NUMBER = re.compile(rb'-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 _PLAIN_SCALAR = re.compile(rb'[^"\\\x00-\x1f]*')  # a string hole's body: no escapes at all
@@ -103,7 +107,7 @@ def _token_string(data: bytes, keys: tuple[bytes, ...]) -> tuple[int, int] | Non
 class PlainTokens:
     """The learned shapes of one response, and the test an event's bytes are put to."""
 
-    __slots__ = ("_interpret", "_keys", "_learned", "_reasoning_keys", "shapes")
+    __slots__ = ("_interpret", "_keys", "_learned", "_only", "_reasoning_keys", "shapes")
 
     def __init__(self, interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...]) -> None:
         self._interpret = interpret
@@ -111,6 +115,7 @@ class PlainTokens:
         self._reasoning_keys = reasoning_keys
         self._learned = 0
         self.shapes: list[Shape] = []  # at most one for visible tokens and one for reasoning
+        self._only: tuple[bytes, bytes, int] | None = None  # the one shape, when it has no hole
 
     def inline(self, prefix: bytes) -> tuple[bytes, bytes, int] | None:
         """(prefix + head, tail, kind) of the one shape without a hole, for callers that test
@@ -122,6 +127,13 @@ class PlainTokens:
 
     def count(self, data: bytes) -> int:
         """VISIBLE or REASONING for one plain token, EMPTY for an empty one, NOT_PLAIN: decode it."""
+        only = self._only
+        if only is not None and data.isascii():  # Shape.match's answer for an ASCII body without escapes
+            head, tail, kind = only
+            start, end = len(head), len(data) - len(tail)
+            if (data.startswith(head) and data.endswith(tail) and end >= start
+                    and UNSAFE.search(data, start, end) is None):
+                return kind if end > start else EMPTY
         for shape in self.shapes:
             found = shape.match(data)
             if found is not None:
@@ -144,7 +156,7 @@ class PlainTokens:
             return
         self._learned += 1
         head, tail = data[:span[0]], data[span[1]:]
-        if not self._checks(head, tail, event):
+        if _LINE_BREAK.search(head) or _LINE_BREAK.search(tail) or not self._checks(head, tail, event):
             return
         shape = Shape(head, tail, kind)
         old = next((s for s in self.shapes if s.count == kind), None)
@@ -152,6 +164,8 @@ class PlainTokens:
             self.shapes.remove(old)
             shape = self._with_hole(old, shape) or shape
         self.shapes.append(shape)
+        only = self.shapes[0] if len(self.shapes) == 1 and self.shapes[0].hole is None else None
+        self._only = None if only is None else (only.head_a, only.tail, only.count)
 
     def _decodes_to(self, data: bytes) -> list[Event] | None:
         try:

@@ -62,7 +62,7 @@ class _StreamParser:
     """What SSE and NDJSON share: one payload in, its events out, plain tokens counted from their
     bytes where the response's learned shapes allow (proxy/wire/fast_tokens.py), the rest decoded."""
 
-    __slots__ = ("_interpret", "_max_line", "_overlong", "_plain")
+    __slots__ = ("_interpret", "_max_line", "_one_ready", "_overlong", "_plain")
     streaming = True
     SEPARATOR = b"\n"  # what ends one payload: a line (NDJSON), a blank line (SSE)
 
@@ -71,11 +71,23 @@ class _StreamParser:
         self._max_line = max_line
         self._overlong = 0
         self._plain = plain
+        self._one_ready = False  # the decoder holds nothing and a shape is learned: `_one` may answer
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self._one_ready:  # a server's usual read: one plain token event, whole
+            events = self._one(chunk)
+            if events is not None:
+                return events
         before = self._overlong
         events = self._feed_read(chunk)
+        plain = self._plain
+        self._one_ready = plain is not None and bool(plain.shapes) and self._clean()
         return events if self._overlong == before or events[0] is OVERLONG else _overlong_first(events)
+
+    def _one(self, chunk: bytes) -> list[Event] | None:
+        """The events of a read that is one whole payload the learned shapes count, exactly as the
+        longer way gives them (a clean decoder, no CR, within the line limit); else None."""
+        raise NotImplementedError
 
     def _feed_read(self, chunk: bytes) -> list[Event]:
         """One read: its complete payloads through the fast path, the rest through the decoder."""
@@ -180,6 +192,15 @@ class SseParser(_StreamParser):
     def _clean(self) -> bool:
         return self._decoder.clean
 
+    def _one(self, chunk: bytes) -> list[Event] | None:
+        if not chunk.startswith(b"data: ") or not chunk.endswith(b"\n\n"):
+            return None
+        if len(chunk) - 2 > self._max_line:
+            return None
+        assert self._plain is not None
+        found = self._plain.count(chunk[6:-2])  # a counted payload holds no CR or LF (PlainTokens)
+        return None if found == NOT_PLAIN else EVENTS[found]
+
     def _decode(self, chunk: bytes) -> list[Event]:
         payloads = self._decoder.feed(chunk)
         if self._decoder.overlong_lines != self._overlong:
@@ -277,6 +298,15 @@ class NdjsonParser(_StreamParser):
 
     def _clean(self) -> bool:
         return self._decoder.clean
+
+    def _one(self, chunk: bytes) -> list[Event] | None:
+        if not chunk.endswith(b"\n"):
+            return None
+        if len(chunk) - 1 > self._max_line:
+            return None
+        assert self._plain is not None
+        found = self._plain.count(chunk[:-1])  # a counted line holds no CR or LF (PlainTokens)
+        return None if found == NOT_PLAIN else EVENTS[found]
 
     def _decode(self, chunk: bytes) -> list[Event]:
         lines = self._decoder.feed(chunk)

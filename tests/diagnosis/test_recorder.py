@@ -237,3 +237,22 @@ def test_a_length_stop_whose_request_was_not_read_is_no_server_limit(usage: bool
     assert record.length_cause_detail == "not decided: the request was not read (request body over the 10-byte " \
                                         "parse cap: not parsed)"
     assert recorder.tokenizer_query() is None
+
+
+def test_a_streams_reads_wait_to_be_parsed_in_bounded_runs() -> None:
+    """Reads are parsed RUN_READS at a time (or RUN_BYTES), never more held, and all by the end."""
+    from proxy.diagnosis.stream_tally import RUN_BYTES, RUN_READS
+
+    recorder = Recorder.start("r", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(b'{"model":"m","stream":true}')
+    recorder.response_head(200, "text/event-stream")
+    tally = recorder.tally
+    event = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+             b'"delta":{"content":"t"},"logprobs":null,"finish_reason":null}]}\n\n')
+    for n in range(RUN_READS * 3 + 5):
+        recorder.chunk(event, 0.01 * n)
+        assert len(tally.pending) < RUN_READS and tally.pending_bytes < RUN_BYTES
+    recorder.chunk(b": " + b"p" * RUN_BYTES + b"\n\n", 1.0)  # a run's bytes end it at once
+    assert not tally.pending
+    record = recorder.finish(2.0)
+    assert record.output_tokens == RUN_READS * 3 + 5 and not tally.pending

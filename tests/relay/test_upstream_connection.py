@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp.client_exceptions import ClientOSError
 
-from proxy.relay.http1 import trailer_section
 from proxy.relay.upstream.connection import SETTLE_S, Connection
 from tests.support.mock_transport import MockTransport
 
@@ -42,14 +41,43 @@ async def test_an_answer_fed_in_pieces_is_parsed_and_its_bytes_counted() -> None
     assert connection.received == len(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Request-Id: up-1\r\n\r\nhello")
 
 
-async def test_a_chunked_answer_leaves_its_trailer_section_as_it_came() -> None:
+async def test_a_chunked_body_is_held_past_the_parser_and_handed_over_as_it_came() -> None:
+    """The head is parsed alone; the chunked body after it, framing and trailers included, waits
+    for the relay and then goes to it read by read, unparsed."""
     connection, _ = connected()
     connection.expect_answer(head=False)
     connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n5\r\nhello\r\n")
+    message, payload = await connection.read()
+    assert message.chunked and connection.raw_body and payload.total_bytes == 0
     connection.data_received(b"0\r\nX-Sum: 42\r\n\r\n")
+    reads: list[tuple[bytes, bool]] = []
+    connection.take_body(lambda data, lost: reads.append((data, lost)))
+    connection.data_received(b"more")
+    assert reads == [(b"5\r\nhello\r\n0\r\nX-Sum: 42\r\n\r\n", False), (b"more", False)]
+    connection.body_ended(extra=True)
+    assert payload.is_eof() and connection.should_close and not connection.raw_body
+
+
+async def test_an_interim_answer_is_parsed_and_the_final_heads_body_held() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r")
+    connection.data_received(b"\n3\r\nabc\r\n")
+    interim, _ = await connection.read()
+    final, _ = await connection.read()
+    assert (interim.code, final.code, connection.raw_body) == (100, 200, True)
+    reads: list[tuple[bytes, bool]] = []
+    connection.take_body(lambda data, lost: reads.append((data, lost)))
+    assert reads == [(b"3\r\nabc\r\n", False)]
+
+
+async def test_a_body_with_a_length_goes_through_the_parser() -> None:
+    connection, _ = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel")
+    connection.data_received(b"lo")
     _, payload = await connection.read()
-    assert await payload.read() == b"hello"
-    assert trailer_section(connection.raw_tail()) == b"X-Sum: 42\r\n"
+    assert not connection.raw_body and await payload.read() == b"hello"
 
 
 async def test_an_answer_to_head_has_no_body_whatever_its_length_says() -> None:

@@ -156,8 +156,20 @@ def record_of(path: str, media: str, reads: list[bytes], fast: bool) -> dict[str
     return record
 
 
-def cut(rng: random.Random, body: bytes) -> list[bytes]:
-    if rng.random() < 0.3:
+def cut(rng: random.Random, body: bytes, events: list[bytes] | None = None) -> list[bytes]:
+    """Reads of `body`: whole, one event each (as servers write them; then a read of one plain
+    token takes the shortest way), a few events each, or cut anywhere."""
+    roll = rng.random()
+    if events is not None and roll < 0.35:
+        if rng.random() < 0.5:
+            return [event for event in events if event]
+        reads, at = [], 0
+        while at < len(events):
+            step = rng.choice((1, 1, 1, 2, 3))
+            reads.append(b"".join(events[at:at + step]))
+            at += step
+        return [read for read in reads if read]
+    if roll < 0.5:
         return [body]
     if len(body) < 2:
         return [body]
@@ -172,10 +184,10 @@ def test_fast_path_and_full_parser_give_identical_records(kind: str, seed: int) 
     rng = random.Random(seed)
     path, media, build = KINDS[kind]
     events = [garble(rng, event) for event in build(rng)]
-    body = b"".join(events)
     if rng.random() < 0.1:
-        body = body.replace(b"\n", b"\r\n")
-    reads = cut(rng, body)
+        events = [event.replace(b"\n", b"\r\n") for event in events]
+    body = b"".join(events)
+    reads = cut(rng, body, events)
     assert record_of(path, media, reads, fast=True) == record_of(path, media, reads, fast=False)
 
 
@@ -191,7 +203,7 @@ def test_long_streams_counted_read_by_read_give_the_records_of_the_full_parser(s
         at = rng.randrange(1, len(events))
         events.insert(at, events[at - 1].replace(b'"content":"', b'"content":"' + b"y" * 5000, 1))
     body = b"".join(events)
-    reads = cut(rng, body) if rng.random() < 0.5 else [body[i:i + 700] for i in range(0, len(body), 700)]
+    reads = cut(rng, body, events) if rng.random() < 0.6 else [body[i:i + 700] for i in range(0, len(body), 700)]
     assert record_of("/v1/chat/completions", "text/event-stream", reads, fast=True) == \
         record_of("/v1/chat/completions", "text/event-stream", reads, fast=False)
 
@@ -213,6 +225,35 @@ def test_the_fast_path_takes_plain_events_without_decoding_them() -> None:
         if plain.count(event) == -1:
             plain.decoded(event, counting(orjson.loads(event)))
     assert len(decoded) == 2  # the first event and the shape's check; the other 19 are counted from bytes
+
+
+@pytest.mark.parametrize("kind", ["openai", "ollama"])
+def test_a_read_of_one_plain_event_is_counted_without_the_decoder(kind: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """One event per read, as vLLM, llama.cpp and Ollama write them: once a shape is learned, such
+    a read is counted whole (`_one`), before any splitting into lines or blocks."""
+    path, media, _ = KINDS[kind]
+    recorder = Recorder.start("r", "POST", path, started=0.0)
+    recorder.request_body(b'{"model":"m","stream":true}')
+    recorder.response_head(200, media)
+    parser = recorder.tally.parser
+    assert parser is not None
+    split: list[bytes] = []
+    feed_read = type(parser)._feed_read  # type: ignore[attr-defined]
+    monkeypatch.setattr(type(parser), "_feed_read",
+                        lambda self, chunk: (split.append(chunk), feed_read(self, chunk))[1])
+    for n in range(6):
+        if kind == "openai":
+            read = sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "delta": {"content": f"tok{n} "}, "logprobs": None,
+                                     "finish_reason": None}]})
+        else:
+            read = orjson.dumps({"model": "m", "created_at": f"2026-12-03T10:00:0{n}.1Z",
+                                 "message": {"role": "assistant", "content": f"tok{n} "}, "done": False}) + b"\n"
+        recorder.chunk(read, 0.01 * (n + 1))
+    recorder.body_ended(1.0)  # the reads are parsed in runs: what is left, at the end
+    assert recorder.tally.tokens == 6
+    assert len(split) <= 2  # the first reads teach the shape (two for Ollama's created_at hole)
 
 
 def test_a_shape_with_a_changing_scalar_learns_a_hole() -> None:

@@ -18,11 +18,13 @@ import asyncio
 import select
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp.client_exceptions import ClientOSError
 from aiohttp.client_proto import ResponseHandler
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES
+from aiohttp.streams import EMPTY_PAYLOAD
 
 from proxy.relay.http1 import chunk, last_chunk
 
@@ -92,16 +94,130 @@ class Connection(ResponseHandler):
         self.streamed = False  # the current answer had no length: the server may close after it
         self.released_at = 0.0  # monotonic, when its last answer ended
         self._last: tuple[bytes, bytes] = (b"", b"")  # the last two reads, as they came (a chunked end)
+        # Called after each read was parsed (False) and once the connection is lost (True): the
+        # relay takes the body where it arrives (relay.body_pump).
+        self.on_data: Callable[[bool], None] | None = None
+        # A chunked body bypasses the parser (relay.chunked frames it as it passes): the head is
+        # parsed alone, what follows is held until the relay takes it, then handed over read by read.
+        self._split = False  # the head of the current answer is still to be cut from its body
+        self._head_end = b""  # the last bytes of the head read so far, where its end may straddle reads
+        self.held: bytearray | None = None  # a chunked body the relay has not taken yet
+        self.on_raw: Callable[[bytes, bool], None] | None = None  # the relay's taker of a chunked body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.sock = transport.get_extra_info("socket")
 
     def data_received(self, data: bytes) -> None:
+        on_raw = self.on_raw
+        if on_raw is not None:  # the relay's, for a chunked body: past the parser, at once
+            if data:
+                on_raw(data, False)
+            return
         if data:  # aiohttp calls it with nothing to resume a paused read
             self.received += len(data)
             self._last = (self._last[1], data)
+            held = self.held
+            if held is not None:
+                held += data
+                if len(held) >= READ_BUFSIZE and self.transport is not None:
+                    self.transport.pause_reading()  # resumed when the relay takes it
+                return
+            if self._split:
+                self._cut_head(data)
+                return
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         super().data_received(data)
+        on_data = self.on_data
+        if on_data is not None:
+            on_data(False)
+
+    def _cut_head(self, data: bytes) -> None:
+        """Parse the answer's head alone; when it heads a chunked body, hold what follows it."""
+        seen = self._head_end + data
+        at = seen.find(b"\r\n\r\n")
+        if at < 0:
+            self._head_end = seen[-3:]
+            self._parse(data)
+            return
+        cut = at + 4 - len(self._head_end)
+        self._head_end = b""
+        queued = len(self)
+        self._parse(data[:cut])
+        rest = data[cut:]
+        if len(self) > queued and self.exception() is None:
+            (message, payload), _ = self._buffer[-1]
+            if 100 <= message.code <= 199:  # an interim answer: the final head follows
+                if rest:
+                    self._cut_head(rest)
+                return
+            if (message.chunked and payload is not EMPTY_PAYLOAD and payload is self._payload
+                    and not payload.total_bytes and message.code not in EMPTY_BODY_STATUS_CODES):
+                self._split = False
+                self.held = bytearray(rest)
+                return
+        self._split = False
+        if rest:
+            self._parse(rest)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        on_data = self.on_data
+        if on_data is not None:
+            on_data(True)
+        on_raw = self.on_raw
+        if on_raw is not None:
+            on_raw(b"", True)
+
+    # --- a chunked body, taken past the parser ---------------------------------------------------
+    @property
+    def raw_body(self) -> bool:
+        """The current answer's body is chunked and held for the relay to take (`take_body`)."""
+        return self.held is not None
+
+    def take_body(self, taker: Callable[[bytes, bool], None]) -> None:
+        """From now on every read of the body goes to `taker(read, False)`, what was held first;
+        `taker(b"", True)` once the connection is lost."""
+        held, self.held = self.held, None
+        self.on_raw = taker
+        self.resume_body()
+        if held:
+            taker(bytes(held), False)
+        if self._connection_lost_called and self.on_raw is taker:
+            taker(b"", True)
+
+    def pause_body(self) -> None:
+        """The client takes no more for now: stop reading the upstream."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_body(self) -> None:
+        if self.transport is not None and not self._reading_paused:
+            self.transport.resume_reading()
+
+    def body_ended(self, extra: bool) -> None:
+        """The relay read the chunked body to its end (`extra`: bytes followed it, so the connection
+        carries nothing more). The parser, left inside a body it never saw, is made anew; the
+        answer's body reader ends, which gives the connection back to its pool."""
+        self.on_raw = None
+        self.held = None
+        if extra:
+            self.force_close()
+        payload, self._payload = self._payload, None
+        self.parses_head = False
+        self.set_response_params(skip_payload=False, read_until_eof=True, auto_decompress=False,
+                                 read_bufsize=READ_BUFSIZE)
+        if payload is not None:
+            payload.feed_eof()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        """aiohttp's body reader asks this after every read it hands out, paused or not: when nothing
+        was paused there is nothing to resume, and the parse of nothing and the transport call it
+        would cost per read are skipped."""
+        if self._reading_paused:
+            super().resume_reading(resume_parser)
 
     def raw_tail(self) -> bytes:
         """The last bytes that came, as they came: the end of a chunked body, with its trailer section."""
@@ -114,6 +230,11 @@ class Connection(ResponseHandler):
         self.received = 0
         self.streamed = False
         self._last = (b"", b"")
+        self.on_data = None
+        self.on_raw = None
+        self.held = None
+        self._split = not head
+        self._head_end = b""
         if self.parses_head is head:
             return
         self.parses_head = head

@@ -1,0 +1,219 @@
+"""An answer's body moved to the client inside the upstream connection's own callback.
+
+A server streams one event per write. Read by a coroutine, each such write costs a future, a wake-up
+of the relaying task one loop turn later, and the writer's generality: more than the relay itself.
+The pump instead runs where the bytes arrive, and the exchange's coroutine waits only for what
+needs it: the end, a break, the client gone, or a client too slow to take more (it then waits for
+the client to drain while the upstream is not read).
+
+Two ways, by the answer's framing:
+- A chunked body (every stream) never enters aiohttp's parser: the connection holds it past the
+  head (`Connection.take_body`), and each read is checked (`relay.chunked`), written to the client
+  as it came, framing and all, then its payload handed to the record.
+- Any other body (a length, or up to the close) is parsed by aiohttp's reader as before; after
+  each read the pump takes what the reader holds, writes it (one chunk per read for a chunked
+  client), then hands it to the record.
+
+Either way a read is written before it is recorded, and the record sees the payload bytes in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.client_exceptions import ClientPayloadError
+from aiohttp.streams import StreamReader
+
+from proxy.relay.chunked import ChunkedBody, FramingError
+from proxy.relay.deadlines import Deadlines
+from proxy.relay.upstream.connection import Connection
+
+
+class Stop(enum.Enum):
+    END = "end"  # the body ended
+    BROKE = "broke"  # the upstream's connection or framing broke: `error` says how
+    CLIENT_GONE = "client_gone"  # the client's connection closed under a write
+    PAUSED = "paused"  # the client takes no more for now: drain, then `resume()`
+
+
+class BodyPump:
+    """`start()`, then await `waiter` until `stopped` is not PAUSED (after PAUSED: drain, `resume()`)."""
+
+    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_framing",
+                 "_idle_armed", "_lost", "deadlines", "ended_at", "error", "last", "max_gap", "read", "stopped",
+                 "waiter")
+
+    def __init__(self, content: StreamReader, connection: Connection, client: BaseProtocol, chunked: bool,
+                 feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float) -> None:
+        self._content = content
+        self._connection = connection
+        self._client = client  # the client's protocol: its transport, and whether its writing is paused
+        self._chunked = chunked  # the client's body is chunked: each read goes as one chunk
+        # A chunked answer the connection holds past its parser: relayed with its own framing.
+        self._framing = ChunkedBody() if connection.raw_body else None
+        self._lost = False  # the connection was lost while the pump was paused
+        self._feed = feed
+        self.deadlines = deadlines
+        self._idle_armed = deadlines.enforce and deadlines.idle_s is not None
+        self.read = 0  # body bytes taken from the reader
+        self.last = last  # when the last read came (monotonic)
+        self.max_gap = 0.0  # the longest wait between two reads
+        self.ended_at: float | None = None
+        self.stopped: Stop | None = None
+        self._busy = False  # in pump(): a call from within it only asks for another turn
+        self._again = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def relays_framing(self) -> bool:
+        """The client got the upstream's chunked framing as it came, its last chunk included."""
+        return self._framing is not None and self._chunked
+
+    def start(self) -> None:
+        """Take what came with the head, and every later read as it comes."""
+        if self._framing is not None:
+            self._connection.take_body(self.take)
+            return
+        self._connection.on_data = self.pump
+        self.pump(not self._connection.is_connected())
+
+    def resume(self) -> None:
+        """After PAUSED, once the client drained."""
+        self.stopped = None
+        self.waiter = asyncio.get_running_loop().create_future()
+        if self._framing is None:
+            self.pump(not self._connection.is_connected())
+            return
+        self._connection.resume_body()
+        if self._lost:
+            self.take(b"", True)
+
+    def detach(self) -> None:
+        """Take no more reads (idempotent); a pooled connection outlives its exchange."""
+        connection = self._connection
+        if connection.on_data == self.pump:
+            connection.on_data = None
+        if connection.on_raw == self.take:
+            connection.on_raw = None
+
+    def take(self, data: bytes, lost: bool) -> None:
+        """A read of a chunked body, as it came: checked, to the client, then its payload to the
+        record; `lost`: the connection closed."""
+        if self.stopped is not None:
+            self._lost = self._lost or lost
+            return
+        if data:
+            framing = self._framing
+            assert framing is not None
+            try:
+                out, pieces = framing.feed(data)
+            except FramingError as exc:
+                self.error = ClientPayloadError(f"invalid chunked framing: {exc}")
+                self._stop(Stop.BROKE)
+                return
+            now = time.monotonic()
+            gap = now - self.last
+            if gap > self.max_gap:
+                self.max_gap = gap
+            self.last = now
+            client = self._client
+            transport = client.transport
+            if transport is None or transport.is_closing():
+                self._stop(Stop.CLIENT_GONE)
+                return
+            if not self._chunked:  # an HTTP/1.0 client: the payload alone, ended by the close
+                for piece in pieces:
+                    transport.write(piece)
+            elif framing.done:
+                transport.write(out + framing.ending())
+            elif out:
+                transport.write(out)
+            feed = self._feed
+            for piece in pieces:
+                feed(piece, now)
+            if self._idle_armed:
+                self.deadlines.arm(now)
+            if framing.done:
+                self.ended_at = now
+                self._connection.body_ended(framing.extra)
+                self._stop(Stop.END)
+                return
+            if client.writing_paused:
+                self._connection.pause_body()
+                self._stop(Stop.PAUSED)
+                return
+        if lost:
+            self.error = ClientPayloadError("Response payload is not completed: the upstream connection "
+                                            "closed inside the chunked body")
+            self._stop(Stop.BROKE)
+
+    def pump(self, lost: bool = False) -> None:
+        """What the reader holds, to the client and then the record; `lost`: the connection closed.
+
+        Re-entered when taking from the reader resumes the connection's reading, which parses what
+        it held back: the outer call takes that too, in order."""
+        if self._busy:
+            self._again = True
+            return
+        self._busy = True
+        try:
+            self._again = True
+            while self._again and self.stopped is None:
+                self._again = False
+                self._pump(lost)
+        finally:
+            self._busy = False
+
+    def _pump(self, lost: bool) -> None:
+        content = self._content
+        error = content.exception()
+        if error is not None:
+            self.error = error
+            self._stop(Stop.BROKE)
+            return
+        data = content.read_nowait(-1) if content.total_bytes > self.read else b""
+        if data:
+            now = time.monotonic()
+            size = len(data)
+            self.read += size
+            gap = now - self.last
+            if gap > self.max_gap:
+                self.max_gap = gap
+            self.last = now
+            client = self._client
+            transport = client.transport
+            if transport is None or transport.is_closing():
+                self._stop(Stop.CLIENT_GONE)
+                return
+            if self._chunked:
+                transport.write(b"%x\r\n%b\r\n" % (size, data))
+            else:
+                transport.write(data)
+            self._feed(data, now)
+            if self._idle_armed:
+                self.deadlines.arm(now)
+            if client.writing_paused:
+                self._stop(Stop.PAUSED)
+                return
+        if content.at_eof():  # the end, and nothing of the body left in the reader
+            self.ended_at = time.monotonic()
+            self._stop(Stop.END)
+        elif lost:
+            # aiohttp's C parser drops a framing error mid-body (an invalid chunk size) on the floor:
+            # the connection closes, the body neither ends nor fails.
+            self.error = ClientPayloadError("the upstream connection closed without ending the body "
+                                            "(invalid framing)")
+            self._stop(Stop.BROKE)
+
+    def _stop(self, why: Stop) -> None:
+        self.stopped = why
+        if why is not Stop.PAUSED:  # paused, it stays attached: a loss meanwhile is kept for `resume`
+            self.detach()
+        waiter = self.waiter
+        if not waiter.done():
+            waiter.set_result(None)

@@ -1,0 +1,122 @@
+"""A chunked body (RFC 9112 section 7.1) read as it passes, so that it can be relayed as it came.
+
+The relay passes a chunked answer's framing through unchanged: the bytes the client gets are the
+bytes the server sent, and a read that holds one whole chunk (what servers write per token) is
+checked with one match and passed on whole. What is checked is what keeps the framing sound for
+the client: hex sizes of at most 16 digits, extensions without control bytes, a CRLF after each
+chunk's data, bounded lines. A size line split between reads is held until it is whole; the last
+chunk and its trailer section are held to the end and relayed as the relay always has: the last
+chunk, and the trailer fields when they are well-formed (`http1.trailer_section`), else none.
+"""
+
+from __future__ import annotations
+
+import re
+
+from proxy.relay.http1 import trailer_section
+
+MAX_LINE = 8190  # a chunk-size or trailer line, as aiohttp's parser bounds a line of the head
+MAX_ENDING = 65536  # the last chunk and its trailer section
+_ONE_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:[\t ]*;[\t\x20-\x7e\x80-\xff]*)?\r\n")
+_SIZE, _DATA, _CRLF, _ENDING = range(4)
+
+
+class FramingError(Exception):
+    """The body is not valid chunked framing."""
+
+
+class ChunkedBody:
+    """`feed(read)` per read: (what to relay now, as it came; the payload pieces in it). After the
+    end, `done` is set, `ending()` is what ends the relayed body, and `extra` says bytes followed
+    it on the connection (which then carries nothing more)."""
+
+    __slots__ = ("_held", "_need", "_state", "done", "extra")
+
+    def __init__(self) -> None:
+        self._state = _SIZE
+        self._need = 0  # bytes of data, or of the CRLF after it, still to come
+        self._held = b""  # an unfinished line; from the last chunk on, everything
+        self.done = False
+        self.extra = False
+
+    def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
+        if self._state == _SIZE and not self._held:  # a read of one whole chunk, the usual one
+            match = _ONE_CHUNK.match(data)
+            if match is not None:
+                start = match.end()
+                end = start + int(match.group(1), 16)
+                if end > start and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    return data, [data[start:end]]
+        return self._feed(data)
+
+    def ending(self) -> bytes:
+        """The last chunk, with the trailer fields when they are well-formed."""
+        fields = trailer_section(self._held)
+        return b"0\r\n" + fields + b"\r\n" if fields is not None else b"0\r\n\r\n"
+
+    def _feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
+        out: list[bytes] = []
+        pieces: list[bytes] = []
+        size = len(data)
+        pos = 0
+        mark = 0 if self._state != _ENDING else size  # data[mark:pos] is to be relayed, not yet in `out`
+        while pos < size and not self.done:
+            state = self._state
+            if state == _DATA:
+                take = min(self._need, size - pos)
+                pieces.append(data[pos:pos + take])
+                pos += take
+                self._need -= take
+                if not self._need:
+                    self._state, self._need = _CRLF, 2
+            elif state == _CRLF:
+                while self._need and pos < size:
+                    if data[pos] != (13 if self._need == 2 else 10):
+                        raise FramingError("chunk data not followed by CRLF")
+                    pos += 1
+                    self._need -= 1
+                if not self._need:
+                    self._state = _SIZE
+            else:
+                newline = data.find(b"\n", pos)
+                if newline < 0:
+                    if state == _SIZE:
+                        out.append(data[mark:pos])
+                        mark = size
+                    self._held += data[pos:]
+                    self._bound()
+                    pos = size
+                    break
+                line_end = newline + 1
+                if state == _ENDING:
+                    line = data[pos:line_end]
+                    whole = self._held[self._held.rfind(b"\n") + 1:] + line
+                    self._held += line
+                    self._bound()
+                    pos = line_end
+                    if whole == b"\r\n":
+                        self.done = True
+                    continue
+                line = self._held + data[pos:line_end]
+                match = _SIZE_LINE.fullmatch(line)
+                if match is None:
+                    raise FramingError("invalid chunk size line")
+                out.append(data[mark:pos])
+                if int(match.group(1), 16) == 0:  # the last chunk: held, with its trailers, to the end
+                    self._state, self._held = _ENDING, line
+                    mark = size
+                else:
+                    out.append(self._held)  # the part of the line an earlier read held, if any
+                    self._state, self._need, self._held = _DATA, int(match.group(1), 16), b""
+                    mark = pos
+                pos = line_end
+        if mark < pos:
+            out.append(data[mark:pos])
+        if self.done and pos < size:
+            self.extra = True
+        return b"".join(out), pieces
+
+    def _bound(self) -> None:
+        if len(self._held) > (MAX_ENDING if self._state == _ENDING else MAX_LINE):
+            raise FramingError("chunk size line or trailer section too long")
