@@ -133,9 +133,8 @@ class BodyPump:
                 transport.write(out + framing.ending())
             elif out:
                 transport.write(out)
-            feed = self._feed
-            for piece in pieces:
-                feed(piece, now)
+            if pieces:  # one payload per read, however many chunks framed it
+                self._feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), now)
             if self._idle_armed:
                 self.deadlines.arm(now)
             if framing.done:

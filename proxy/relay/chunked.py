@@ -60,6 +60,15 @@ class ChunkedBody:
         pieces: list[bytes] = []
         size = len(data)
         pos = 0
+        if self._state == _SIZE and not self._held:  # whole chunks one after another: a fast server's read
+            match = _SIZE_LINE.match
+            while (found := match(data, pos)) is not None:
+                start = found.end()
+                end = start + int(found.group(1), 16)
+                if end == start or end + 2 > size or data[end] != 13 or data[end + 1] != 10:
+                    break  # the last chunk, or one this read does not hold whole: the way below
+                pieces.append(data[start:end])
+                pos = end + 2
         mark = 0 if self._state != _ENDING else size  # data[mark:pos] is to be relayed, not yet in `out`
         while pos < size and not self.done:
             state = self._state
