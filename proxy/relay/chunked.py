@@ -61,8 +61,8 @@ class ChunkedBody:
         size = len(data)
         pos = 0
         if self._state == _SIZE and not self._held:  # whole chunks one after another: a fast server's read
-            match = _SIZE_LINE.match
-            while (found := match(data, pos)) is not None:
+            size_line = _SIZE_LINE.match
+            while (found := size_line(data, pos)) is not None:
                 start = found.end()
                 end = start + int(found.group(1), 16)
                 if end == start or end + 2 > size or data[end] != 13 or data[end + 1] != 10:
