@@ -112,10 +112,10 @@ class BodyPump:
             assert framing is not None
             try:
                 out, pieces = framing.feed(data)
-            except FramingError as exc:
+            except FramingError as exc:  # what came before the fault goes on; the client's connection breaks
                 self.error = ClientPayloadError(f"invalid chunked framing: {exc}")
+                out, pieces = exc.relayable, exc.pieces
                 self._stop(Stop.BROKE)
-                return
             now = time.monotonic()
             gap = now - self.last
             if gap > self.max_gap:
@@ -124,7 +124,8 @@ class BodyPump:
             client = self._client
             transport = client.transport
             if transport is None or transport.is_closing():
-                self._stop(Stop.CLIENT_GONE)
+                if self.stopped is None:
+                    self._stop(Stop.CLIENT_GONE)
                 return
             if not self._chunked:  # an HTTP/1.0 client: the payload alone, ended by the close
                 for piece in pieces:
@@ -135,6 +136,8 @@ class BodyPump:
                 transport.write(out)
             if pieces:  # one payload per read, however many chunks framed it
                 self._feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), now)
+            if self.stopped is not None:  # broke: it ends here
+                return
             if self._idle_armed:
                 self.deadlines.arm(now)
             if framing.done:

@@ -23,7 +23,14 @@ _SIZE, _DATA, _CRLF, _ENDING = range(4)
 
 
 class FramingError(Exception):
-    """The body is not valid chunked framing."""
+    """The body is not valid chunked framing, from offset `at` of the read that held it: `relayable`
+    is what came before the fault in that read, as it came, and `pieces` its payload."""
+
+    def __init__(self, message: str, at: int = 0) -> None:
+        super().__init__(message)
+        self.at = at
+        self.relayable = b""
+        self.pieces: list[bytes] = []
 
 
 class ChunkedBody:
@@ -70,6 +77,21 @@ class ChunkedBody:
                 pieces.append(data[start:end])
                 pos = end + 2
         mark = 0 if self._state != _ENDING else size  # data[mark:pos] is to be relayed, not yet in `out`
+        try:
+            pos, mark = self._frames(data, pos, mark, out, pieces)
+        except FramingError as exc:
+            exc.relayable = b"".join(out) + data[mark:max(mark, exc.at)]
+            exc.pieces = pieces
+            raise
+        if mark < pos:
+            out.append(data[mark:pos])
+        if self.done and pos < size:
+            self.extra = True
+        return b"".join(out), pieces
+
+    def _frames(self, data: bytes, pos: int, mark: int, out: list[bytes], pieces: list[bytes]) -> tuple[int, int]:
+        """The general way, from `pos`: (where it stopped, where the bytes not yet in `out` start)."""
+        size = len(data)
         while pos < size and not self.done:
             state = self._state
             if state == _DATA:
@@ -82,7 +104,7 @@ class ChunkedBody:
             elif state == _CRLF:
                 while self._need and pos < size:
                     if data[pos] != (13 if self._need == 2 else 10):
-                        raise FramingError("chunk data not followed by CRLF")
+                        raise FramingError("chunk data not followed by CRLF", pos)
                     pos += 1
                     self._need -= 1
                 if not self._need:
@@ -110,7 +132,7 @@ class ChunkedBody:
                 line = self._held + data[pos:line_end]
                 match = _SIZE_LINE.fullmatch(line)
                 if match is None:
-                    raise FramingError("invalid chunk size line")
+                    raise FramingError("invalid chunk size line", pos)
                 out.append(data[mark:pos])
                 if int(match.group(1), 16) == 0:  # the last chunk: held, with its trailers, to the end
                     self._state, self._held = _ENDING, line
@@ -120,11 +142,7 @@ class ChunkedBody:
                     self._state, self._need, self._held = _DATA, int(match.group(1), 16), b""
                     mark = pos
                 pos = line_end
-        if mark < pos:
-            out.append(data[mark:pos])
-        if self.done and pos < size:
-            self.extra = True
-        return b"".join(out), pieces
+        return pos, mark
 
     def _bound(self) -> None:
         if len(self._held) > (MAX_ENDING if self._state == _ENDING else MAX_LINE):

@@ -129,6 +129,39 @@ async def test_a_chunked_answer_without_trailers_ends_plainly(raw: RawUpstream, 
     assert body.endswith(b"hello\r\n0\r\n\r\n")
 
 
+async def test_a_chunked_body_reaches_the_client_framed_as_the_server_framed_it(
+        raw: RawUpstream, make_proxy: ProxyFactory) -> None:
+    """The relay passes a chunked body's framing through: sizes, extensions and data byte for byte."""
+    framed = b"3;x=1\r\nabc\r\n1A\r\n" + b"z" * 26 + b"\r\n0001\r\n!\r\n"
+    raw.answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n"
+    proxy = await make_proxy(raw.url())
+    _, body = split(await exchange(proxy.proxy_url, b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"))
+    assert body == framed + b"0\r\n\r\n"
+
+
+async def test_an_http_1_0_client_gets_a_chunked_answer_unframed(raw: RawUpstream, make_proxy: ProxyFactory) -> None:
+    raw.answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    proxy = await make_proxy(raw.url())
+    lines, body = split(await exchange(proxy.proxy_url, b"GET /x HTTP/1.0\r\nHost: h\r\n\r\n"))
+    assert b"Transfer-Encoding: chunked" not in lines and body == b"hello world"
+
+
+async def test_invalid_chunked_framing_breaks_the_client_connection_after_what_came_before_it(
+        raw: RawUpstream, make_proxy: ProxyFactory) -> None:
+    event = b"data: {}\n\n"
+    raw.answer = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"a\r\n" + event + b"\r\nzz\r\nbad\r\n0\r\n\r\n")
+    proxy = await make_proxy(raw.url())
+    request = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}'
+    _, body = split(await exchange(proxy.proxy_url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\n"
+                                   b"X-Request-Id: bad-framing\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(request), request)))
+    assert body == b"a\r\n" + event + b"\r\n"  # no last chunk: the client sees the body did not end
+    record = await record_for(proxy, "bad-framing")
+    assert record.upstream_error == "reset" and record.stop_reason == "upstream_disconnect"
+    assert "invalid chunked framing" in (record.upstream_error_detail or "")
+
+
 # --- answers not relayed --------------------------------------------------------------------------------
 
 async def test_an_upgrade_nobody_asked_for_is_not_relayed(raw: RawUpstream, make_proxy: ProxyFactory) -> None:
