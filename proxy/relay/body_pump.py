@@ -28,7 +28,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.client_exceptions import ClientPayloadError
 from aiohttp.streams import StreamReader
 
-from proxy.relay.chunked import ChunkedBody, FramingError
+from proxy.relay.chunked import ChunkedBody, FramingError, one_chunk
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
 
@@ -111,7 +111,11 @@ class BodyPump:
             framing = self._framing
             assert framing is not None
             try:
-                out, pieces = framing.feed(data)
+                payload = one_chunk(data) if framing.between_chunks else None
+                if payload is not None:  # the usual read: one whole chunk, the framing where it was
+                    out, pieces = data, [payload]
+                else:
+                    out, pieces = framing.feed(data)
             except FramingError as exc:  # what came before the fault goes on; the client's connection breaks
                 self.error = ClientPayloadError(f"invalid chunked framing: {exc}")
                 out, pieces = exc.relayable, exc.pieces
@@ -145,7 +149,7 @@ class BodyPump:
                 self._connection.body_ended(framing.extra)
                 self._stop(Stop.END)
                 return
-            if client.writing_paused:
+            if transport.get_write_buffer_size() and client.writing_paused:  # (nothing held: not paused)
                 self._connection.pause_body()
                 self._stop(Stop.PAUSED)
                 return

@@ -22,6 +22,19 @@ _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:[\t ]*;[\t\x20-\x7e\x80-\xff]*)
 _SIZE, _DATA, _CRLF, _ENDING = range(4)
 
 
+def one_chunk(data: bytes) -> bytes | None:
+    """The payload of `data` when `data` is one whole chunk and nothing else (what a server writes
+    per token), read between chunks it leaves the framing where it was; else None."""
+    match = _ONE_CHUNK.match(data)
+    if match is None:
+        return None
+    start = match.end()
+    end = start + int(match.group(1), 16)
+    if end > start and len(data) == end + 2 and data.endswith(b"\r\n"):
+        return data[start:end]
+    return None
+
+
 class FramingError(Exception):
     """The body is not valid chunked framing, from offset `at` of the read that held it: `relayable`
     is what came before the fault in that read, as it came, and `pieces` its payload."""
@@ -38,7 +51,7 @@ class ChunkedBody:
     end, `done` is set, `ending()` is what ends the relayed body, and `extra` says bytes followed
     it on the connection (which then carries nothing more)."""
 
-    __slots__ = ("_held", "_need", "_state", "done", "extra")
+    __slots__ = ("_held", "_need", "_state", "between_chunks", "done", "extra")
 
     def __init__(self) -> None:
         self._state = _SIZE
@@ -46,15 +59,13 @@ class ChunkedBody:
         self._held = b""  # an unfinished line; from the last chunk on, everything
         self.done = False
         self.extra = False
+        self.between_chunks = True  # nothing of a chunk is open: a read may be one whole chunk (`one_chunk`)
 
     def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
         if self._state == _SIZE and not self._held:  # a read of one whole chunk, the usual one
-            match = _ONE_CHUNK.match(data)
-            if match is not None:
-                start = match.end()
-                end = start + int(match.group(1), 16)
-                if end > start and len(data) == end + 2 and data.endswith(b"\r\n"):
-                    return data, [data[start:end]]
+            payload = one_chunk(data)
+            if payload is not None:
+                return data, [payload]
         return self._feed(data)
 
     def ending(self) -> bytes:
@@ -83,6 +94,7 @@ class ChunkedBody:
             exc.relayable = b"".join(out) + data[mark:max(mark, exc.at)]
             exc.pieces = pieces
             raise
+        self.between_chunks = self._state == _SIZE and not self._held
         if mark < pos:
             out.append(data[mark:pos])
         if self.done and pos < size:

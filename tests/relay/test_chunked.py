@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from proxy.relay.chunked import MAX_LINE, ChunkedBody, FramingError
+from proxy.relay.chunked import MAX_LINE, ChunkedBody, FramingError, one_chunk
 
 TRAILERS = [b"", b"X-Sum: 42\r\n", b"X-A: 1\r\nX-B: two words\r\n", b"not a field line\r\n"]
 
@@ -29,7 +29,10 @@ def test_cut_anywhere_it_relays_the_chunks_as_they_came_and_the_payload_exactly(
     relayed, payload, read = b"", b"", 0
     reads = reads_of(rng, body + b"0\r\n" + trailers + b"\r\n" + extra)
     while not framing.done:
+        whole = one_chunk(reads[read]) if framing.between_chunks else None
         out, pieces = framing.feed(reads[read])
+        if whole is not None:  # the relay's short way gives what feed gives
+            assert (out, pieces) == (reads[read], [whole])
         read += 1
         relayed += out
         payload += b"".join(pieces)
@@ -42,6 +45,10 @@ def test_cut_anywhere_it_relays_the_chunks_as_they_came_and_the_payload_exactly(
 def test_a_read_of_one_chunk_is_relayed_whole() -> None:
     read = b"b\r\ndata: tok\n\n\r\n"
     assert ChunkedBody().feed(read) == (read, [b"data: tok\n\n"])
+    assert one_chunk(read) == b"data: tok\n\n" and one_chunk(read + b"0") is None and one_chunk(b"0\r\n\r\n") is None
+    framing = ChunkedBody()
+    framing.feed(b"5\r\nhel")
+    assert not framing.between_chunks  # inside a chunk: a read that looks like one is data
 
 
 def test_a_size_line_split_between_reads_is_held_until_it_is_whole() -> None:
