@@ -121,16 +121,10 @@ class BodyPump:
                 out, pieces = exc.relayable, exc.pieces
                 self._stop(Stop.BROKE)
             now = time.monotonic()
-            gap = now - self.last
-            if gap > self.max_gap:
-                self.max_gap = gap
-            self.last = now
-            client = self._client
-            transport = client.transport
-            if transport is None or transport.is_closing():
-                if self.stopped is None:
-                    self._stop(Stop.CLIENT_GONE)
+            transport = self._arrived(now)
+            if transport is None:
                 return
+            client = self._client
             if not self._chunked:  # an HTTP/1.0 client: the payload alone, ended by the close
                 for piece in pieces:
                     transport.write(piece)
@@ -187,15 +181,10 @@ class BodyPump:
             now = time.monotonic()
             size = len(data)
             self.read += size
-            gap = now - self.last
-            if gap > self.max_gap:
-                self.max_gap = gap
-            self.last = now
-            client = self._client
-            transport = client.transport
-            if transport is None or transport.is_closing():
-                self._stop(Stop.CLIENT_GONE)
+            transport = self._arrived(now)
+            if transport is None:
                 return
+            client = self._client
             if self._chunked:
                 transport.write(b"%x\r\n%b\r\n" % (size, data))
             else:
@@ -215,6 +204,20 @@ class BodyPump:
             self.error = ClientPayloadError("the upstream connection closed without ending the body "
                                             "(invalid framing)")
             self._stop(Stop.BROKE)
+
+    def _arrived(self, now: float) -> asyncio.Transport | None:
+        """A read came at `now` (the longest gap kept): the client's transport to write it to, or
+        None when the client has gone (the pump then stops, unless it already has)."""
+        gap = now - self.last
+        if gap > self.max_gap:
+            self.max_gap = gap
+        self.last = now
+        transport = self._client.transport
+        if transport is None or transport.is_closing():
+            if self.stopped is None:
+                self._stop(Stop.CLIENT_GONE)
+            return None
+        return transport
 
     def _stop(self, why: Stop) -> None:
         self.stopped = why
