@@ -74,10 +74,20 @@ class StreamTally:
         self._parse(chunk, now)
 
     def _parse_pending(self) -> None:
+        """The run's reads in order: those the parser finds to be one plain token each are counted
+        in one loop, the others parsed one by one."""
         pending, self.pending, self.pending_bytes = self.pending, [], 0
-        parse = self._parse
-        for chunk, now in pending:
-            parse(chunk, now)
+        at, end = 0, len(pending)
+        while at < end:
+            parser = self.parser
+            plain = parser.plain_reads(pending, at) if parser is not None else 0
+            if plain:
+                self.tokens += plain
+                self._arrivals(pending, at, at + plain)
+                at += plain
+            else:
+                self._parse(*pending[at])
+                at += 1
 
     def _parse(self, chunk: bytes, now: float) -> None:
         parser = self.parser
@@ -157,6 +167,26 @@ class StreamTally:
             if len(self.gaps) < ITL_SAMPLES_CAP:
                 self.gaps.append(gap)
         self.last_token_at = now
+
+    def _arrivals(self, reads: list[tuple[bytes, float]], start: int, end: int) -> None:
+        """`tokens_arrived` for each of reads[start:end], in one loop."""
+        last = self.last_token_at
+        if last is None:
+            last = self.first_token_at = reads[start][1]
+            start += 1
+        gaps, room = self.gaps, ITL_SAMPLES_CAP - len(self.gaps)
+        total, top = self.gap_sum, self.gap_max
+        for _, now in reads[start:end]:
+            gap = now - last
+            total += gap
+            if gap > top:
+                top = gap
+            if room > 0:
+                gaps.append(gap)
+                room -= 1
+            last = now
+        self.gap_count += end - start
+        self.gap_sum, self.gap_max, self.last_token_at = total, top, last
 
     def itl_stats(self) -> tuple[float | None, float | None, float | None]:
         """(mean, p95, max) of the gaps between token chunks, or Nones with fewer than two."""

@@ -117,6 +117,11 @@ class PlainTokens:
         self.shapes: list[Shape] = []  # at most one for visible tokens and one for reasoning
         self._only: tuple[bytes, bytes, int] | None = None  # the one shape, when it has no hole
 
+    @property
+    def only(self) -> tuple[bytes, bytes, int] | None:
+        """(head, tail, kind) of the one shape when it has no hole (the same tuple until it changes)."""
+        return self._only
+
     def inline(self, prefix: bytes) -> tuple[bytes, bytes, int] | None:
         """(prefix + head, tail, kind) of the one shape without a hole, for callers that test
         whole ASCII blocks themselves (a body then needs only the UNSAFE search); else None."""

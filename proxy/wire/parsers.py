@@ -48,6 +48,8 @@ class ResponseParser(Protocol):
 
     def feed(self, chunk: bytes) -> list[Event]: ...
 
+    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int: ...
+
     def close(self) -> list[Event]: ...
 
 
@@ -62,9 +64,10 @@ class _StreamParser:
     """What SSE and NDJSON share: one payload in, its events out, plain tokens counted from their
     bytes where the response's learned shapes allow (proxy/wire/fast_tokens.py), the rest decoded."""
 
-    __slots__ = ("_interpret", "_max_line", "_one_ready", "_overlong", "_plain")
+    __slots__ = ("_framed", "_interpret", "_max_line", "_one_ready", "_overlong", "_plain")
     streaming = True
     SEPARATOR = b"\n"  # what ends one payload: a line (NDJSON), a blank line (SSE)
+    OPENING = b""  # what opens a payload that is a read of its own (`_one`)
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None) -> None:
         self._interpret = interpret
@@ -72,6 +75,8 @@ class _StreamParser:
         self._overlong = 0
         self._plain = plain
         self._one_ready = False  # the decoder holds nothing and a shape is learned: `_one` may answer
+        # The one learned shape, framed as a read of its own: (its shape, head, tail), for `plain_reads`.
+        self._framed: tuple[tuple[bytes, bytes, int], bytes, bytes] | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
         if self._one_ready:  # a server's usual read: one plain token event, whole
@@ -88,6 +93,33 @@ class _StreamParser:
         """The events of a read that is one whole payload the learned shapes count, exactly as the
         longer way gives them (a clean decoder, no CR, within the line limit); else None."""
         raise NotImplementedError
+
+    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+        """How many of `reads`, from `start` on, are each one whole event of one visible token in
+        the response's one learned shape: what `feed` answers each of them with (`_one`: one
+        token, nothing changed), found in one loop for a run of reads (the tally counts them)."""
+        if not self._one_ready:
+            return 0
+        assert self._plain is not None
+        only = self._plain.only
+        if only is None or only[2] != VISIBLE:
+            return 0
+        framed = self._framed
+        if framed is None or framed[0] is not only:
+            framed = self._framed = (only, self.OPENING + only[0], only[1] + self.SEPARATOR)
+        _, head, tail = framed
+        opened, closed = len(head), len(tail)
+        longest = self._max_line + len(self.SEPARATOR)
+        unsafe = UNSAFE.search
+        at, end = start, len(reads)
+        while at < end:
+            chunk = reads[at][0]
+            stop = len(chunk) - closed
+            if (stop <= opened or len(chunk) > longest or not chunk.startswith(head) or not chunk.endswith(tail)
+                    or not chunk.isascii() or unsafe(chunk, opened, stop) is not None):
+                break
+            at += 1
+        return at - start
 
     def _feed_read(self, chunk: bytes) -> list[Event]:
         """One read: its complete payloads through the fast path, the rest through the decoder."""
@@ -184,6 +216,7 @@ class SseParser(_StreamParser):
 
     __slots__ = ("_decoder",)
     SEPARATOR = b"\n\n"
+    OPENING = b"data: "
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None = None) -> None:
         super().__init__(interpret, max_line, plain)
@@ -396,6 +429,9 @@ class JsonBodyParser:
         self._budget.release(self._held)
         self._held = 0
 
+    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+        return 0
+
     def close(self) -> list[Event]:
         if self._refused == "cap":
             return [ParseError(f"body of {self._size} bytes exceeds the {self._cap}-byte parse cap")]
@@ -421,6 +457,9 @@ class UnknownParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         return _NO_EVENTS
+
+    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+        return 0
 
     def close(self) -> list[Event]:
         return [ParseError(self._reason)]
@@ -450,6 +489,9 @@ class DecompressingParser:
             self._zlib = None
             return [ParseError("decompressed chunk exceeds the parse cap"), *self._inner.feed(plain)]
         return self._inner.feed(plain)
+
+    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+        return 0  # the reads are not the events: each goes through the decompressor
 
     def close(self) -> list[Event]:
         return self._inner.close()

@@ -289,3 +289,29 @@ def test_whole_reads_of_plain_events_keep_the_blank_line_rules(read_size: int) -
     fast = record_of("/v1/chat/completions", "text/event-stream", reads, fast=True)
     assert fast == record_of("/v1/chat/completions", "text/event-stream", reads, fast=False)
     assert fast["output_tokens"] == 300
+
+
+@pytest.mark.parametrize("kind", ["openai", "ollama"])
+def test_a_run_of_one_event_reads_with_others_among_them_is_counted_as_the_decoder_counts(kind: str) -> None:
+    """The tally takes a run of reads (stream_tally.RUN_READS) and the parser counts, in one loop,
+    those that are one plain token each (`plain_reads`); a read of anything else among them (an
+    escape, non-ASCII text, an empty token, thinking, one past the line limit, two events, a
+    torn one) breaks the loop there and is parsed alone. The record is the full parser's."""
+    path, media, _ = KINDS[kind]
+
+    def event(content: str, field: str = "content") -> bytes:
+        if kind == "openai":
+            return sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "delta": {field: content}, "logprobs": None,
+                                     "finish_reason": None}]})
+        return orjson.dumps({"model": "m", "message": {"role": "assistant", field: content}, "done": False}) + b"\n"
+
+    odd = [event('say "hi"'), event("été "), event(""), event("y" * 5000), event("a") + event("b")]
+    reads = [event(f"tok{n} ") for n in range(3)]
+    for n, other in enumerate(odd * 4):
+        reads += [other, *(event(f"w{n}.{i} ") for i in range(n % 5))]
+    torn = event("torn ")
+    reads += [torn[:7], torn[7:], *(event(f"end{n} ") for n in range(40))]
+    thinking = event("hmm", "reasoning_content" if kind == "openai" else "thinking")  # a second shape
+    reads += [thinking, *(event(f"after{n} ") for n in range(20))]
+    assert record_of(path, media, reads, fast=True) == record_of(path, media, reads, fast=False)
