@@ -98,10 +98,9 @@ class BodyPump:
         connection = self._connection
         if connection.on_data == self.pump:
             connection.on_data = None
-        if connection.on_raw == self.take:
-            connection.on_raw = None
+        connection.stop_taking(self.take)
 
-    def take(self, data: bytes, lost: bool) -> None:
+    def take(self, data: bytes, lost: bool = False) -> None:
         """A read of a chunked body, as it came: checked, to the client, then its payload to the
         record; `lost`: the connection closed."""
         if self.stopped is not None:

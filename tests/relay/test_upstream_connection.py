@@ -25,6 +25,7 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 def connected(sock: socket.socket | None = None) -> tuple[Connection, MockTransport]:
     connection = Connection(asyncio.get_running_loop())
     transport = MockTransport(sock)
+    transport.set_protocol(connection)
     connection.connection_made(transport)
     return connection, transport
 
@@ -51,11 +52,36 @@ async def test_a_chunked_body_is_held_past_the_parser_and_handed_over_as_it_came
     assert message.chunked and connection.raw_body and payload.total_bytes == 0
     connection.data_received(b"0\r\nX-Sum: 42\r\n\r\n")
     reads: list[tuple[bytes, bool]] = []
-    connection.take_body(lambda data, lost: reads.append((data, lost)))
+    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
     connection.data_received(b"more")
     assert reads == [(b"5\r\nhello\r\n0\r\nX-Sum: 42\r\n\r\n", False), (b"more", False)]
     connection.body_ended(extra=True)
     assert payload.is_eof() and connection.should_close and not connection.raw_body
+
+
+async def test_while_a_body_is_taken_the_transport_reads_straight_into_the_taker() -> None:
+    """The loop calls the taker itself per read (no call through the connection); losing the
+    connection still reaches it, and once the body ended the connection reads again."""
+    connection, transport = connected()
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await connection.read()
+    reads: list[tuple[bytes, bool]] = []
+    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    taking = transport.get_protocol()
+    assert taking is not connection
+    taking.data_received(b"3\r\nabc\r\n")
+    taking.pause_writing()  # the request's flow control stays the connection's
+    assert connection.writing_paused
+    taking.resume_writing()
+    connection.body_ended(extra=False)
+    assert transport.get_protocol() is connection and reads == [(b"3\r\nabc\r\n", False)]
+    connection.expect_answer(head=False)
+    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    await connection.read()
+    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    transport.get_protocol().connection_lost(None)
+    assert reads[-1] == (b"", True)
 
 
 async def test_an_interim_answer_is_parsed_and_the_final_heads_body_held() -> None:
@@ -67,7 +93,7 @@ async def test_an_interim_answer_is_parsed_and_the_final_heads_body_held() -> No
     final, _ = await connection.read()
     assert (interim.code, final.code, connection.raw_body) == (100, 200, True)
     reads: list[tuple[bytes, bool]] = []
-    connection.take_body(lambda data, lost: reads.append((data, lost)))
+    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
     assert reads == [(b"3\r\nabc\r\n", False)]
 
 

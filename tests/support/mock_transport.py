@@ -14,6 +14,13 @@ class MockTransport(asyncio.Transport):
         self.written = bytearray()
         self.closed = False
         self.reading = True
+        self.protocol: Any = None  # set by the protocol's owner, as a loop's transport has it
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> Any:
+        return self.protocol
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.sock if name == "socket" else default

@@ -19,7 +19,7 @@ import select
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp.client_exceptions import ClientOSError
 from aiohttp.client_proto import ResponseHandler
@@ -81,6 +81,37 @@ def readable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
+class Taker(Protocol):
+    """Who takes a chunked body past the parser: `(read)` per read, `(b"", True)` once the
+    connection is lost."""
+
+    def __call__(self, data: bytes, lost: bool = False) -> None: ...
+
+
+class _TakenReads:
+    """The transport's protocol while the relay takes a chunked body: its reads go straight to the
+    taker (the loop calls it as `data_received`: at one event per read, one Python call less each
+    than through the connection), all else to the connection, whose protocol it stays."""
+
+    __slots__ = ("_connection", "data_received")
+
+    def __init__(self, connection: Connection, taker: Taker) -> None:
+        self._connection = connection
+        self.data_received = taker
+
+    def eof_received(self) -> None:  # (None: the transport closes, as for the connection)
+        self._connection.eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._connection.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._connection.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._connection.resume_writing()
+
+
 class Connection(ResponseHandler):
     """aiohttp's response protocol, with the state of its connection: the socket (for the liveness
     look), which kind of answer its parser reads, the bytes of the current answer, and when it was
@@ -102,7 +133,8 @@ class Connection(ResponseHandler):
         self._split = False  # the head of the current answer is still to be cut from its body
         self._head_end = b""  # the last bytes of the head read so far, where its end may straddle reads
         self.held: bytearray | None = None  # a chunked body the relay has not taken yet
-        self.on_raw: Callable[[bytes, bool], None] | None = None  # the relay's taker of a chunked body
+        self.on_raw: Taker | None = None  # the relay's taker of a chunked body
+        self._taken: _TakenReads | None = None  # the transport's protocol meanwhile
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -177,16 +209,35 @@ class Connection(ResponseHandler):
         """The current answer's body is chunked and held for the relay to take (`take_body`)."""
         return self.held is not None
 
-    def take_body(self, taker: Callable[[bytes, bool], None]) -> None:
-        """From now on every read of the body goes to `taker(read, False)`, what was held first;
+    def take_body(self, taker: Taker) -> None:
+        """From now on every read of the body goes to `taker(read)`, what was held first;
         `taker(b"", True)` once the connection is lost."""
         held, self.held = self.held, None
         self.on_raw = taker
+        transport = self.transport
+        if transport is not None and not self._connection_lost_called:
+            taken = _TakenReads(self, taker)
+            try:
+                transport.set_protocol(taken)  # type: ignore[arg-type]
+                self._taken = taken
+            except NotImplementedError:  # (a transport without it: the reads come through data_received)
+                pass
         self.resume_body()
         if held:
             taker(bytes(held), False)
         if self._connection_lost_called and self.on_raw is taker:
             taker(b"", True)
+
+    def stop_taking(self, taker: Taker | None = None) -> None:
+        """No more reads to the taker (`taker`: only if it is still the one); the connection is
+        the transport's protocol again (idempotent)."""
+        if taker is not None and self.on_raw != taker:
+            return
+        self.on_raw = None
+        taken, self._taken = self._taken, None
+        transport = self.transport
+        if taken is not None and transport is not None and transport.get_protocol() is taken:  # type: ignore[comparison-overlap]
+            transport.set_protocol(self)
 
     def pause_body(self) -> None:
         """The client takes no more for now: stop reading the upstream."""
@@ -201,7 +252,7 @@ class Connection(ResponseHandler):
         """The relay read the chunked body to its end (`extra`: bytes followed it, so the connection
         carries nothing more). The parser, left inside a body it never saw, is made anew; the
         answer's body reader ends, which gives the connection back to its pool."""
-        self.on_raw = None
+        self.stop_taking()
         self.held = None
         if extra:
             self.force_close()
@@ -231,7 +282,7 @@ class Connection(ResponseHandler):
         self.streamed = False
         self._last = (b"", b"")
         self.on_data = None
-        self.on_raw = None
+        self.stop_taking()
         self.held = None
         self._split = not head
         self._head_end = b""
