@@ -127,17 +127,17 @@ class LogObserver(Observer):
         self._log = structlog.get_logger("llm_diag_proxy").bind(upstream=upstream)
 
     def on_response(self, record: ResponseRecord) -> None:
-        fields = record.to_dict()
+        sink = _json_sink
+        if sink is not None and sink.level > logging.INFO:
+            return
+        fields = record.to_compact_dict()  # (no None values: the line leaves them out)
         if not fields["observer_errors"]:
             del fields["observer_errors"]
-        sink = _json_sink
         if sink is None:
-            self._log.info("response", **{k: v for k, v in fields.items() if v is not None})
-            return
-        if sink.level > logging.INFO:
+            self._log.info("response", **fields)
             return
         line: dict[str, Any] = {"upstream": self.upstream}
-        line.update({k: v for k, v in fields.items() if v is not None})
+        line.update(fields)
         line["event"] = "response"
         for key, value in structlog.contextvars.get_contextvars().items():
             line.setdefault(key, value)
