@@ -12,7 +12,9 @@ per socket write, closed loop at each level of concurrent streams. It prints, pe
 tokens/s direct, through nginx and through the proxy; the CPU each relay spent per relayed
 event (user + system time of all its processes over the events it carried); and the TTFT each
 relay adds (p50, p99). Then **paced** (like a real server, `--token-interval`): the added TTFT
-at the same levels. Then the idle TTFT of single requests, each target in turn.
+at the same levels, and the CPU per event at one event per write, the median of `--paced-rounds`
+rounds with the relays in turn (its spread from run to run is wider than the unpaced one's).
+Then the idle TTFT of single requests, each target in turn.
 
     python benchmarks/overhead.py                       # the whole table
     python benchmarks/overhead.py --workers 2           # the proxy with two worker processes
@@ -364,6 +366,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="closed-loop rounds per level")
     parser.add_argument("--token-interval", type=float, default=0.02, help="seconds between tokens, paced")
     parser.add_argument("--paced-tokens", type=int, default=50, help="tokens per paced stream")
+    parser.add_argument("--paced-rounds", type=int, default=3,
+                        help="paced rounds per level, the relays in turn (a drift of the machine hits all alike); "
+                             "the median CPU per event is shown, and each round's")
     parser.add_argument("--requests", type=int, default=2000,
                         help="short requests (4 tokens) at 16 in flight, for each relay's CPU per request (0 = skip)")
     parser.add_argument("--ttft-samples", type=int, default=200,
@@ -445,10 +450,11 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
             line += (f" {relayed:>12,.0f} {relayed / rate:>6.3f} {used / events * 1e6:>15.2f}"
                      f" {f'{p50:.2f}/{p99:.2f}':>17}")
         print(line, flush=True)
-    print(f"# paced: {args.paced_tokens}-token streams, one event every {args.token_interval * 1000:g} ms in a "
-          "write of its own (as vLLM, llama.cpp and Ollama send), starts spread over a stream's length, 4 streams "
-          "per slot: the TTFT each relay adds under a steady load, and its CPU per relayed event (all of it: the "
-          "requests' own cost shared over their events) and how busy its core was")
+    print(f"# paced: {args.paced_rounds} round(s) of {args.paced_tokens}-token streams, one event every "
+          f"{args.token_interval * 1000:g} ms in a write of its own (as vLLM, llama.cpp and Ollama send), starts "
+          "spread over a stream's length, 4 streams per slot: the TTFT each relay adds under a steady load, and its "
+          "CPU per relayed event (all of it: the requests' own cost shared over their events) and how busy its "
+          "core was")
     print(f"{'streams':>7} {'direct TTFT p50/p99 ms':>23}"
           + "".join(f" {name + ' +p50/p99 ms':>20} {'us/event':>9} {'busy':>5}" for name in relays))
     for concurrency in levels:
@@ -456,14 +462,26 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
                                             args.token_interval))
         line = (f"{concurrency:>7} "
                 f"{f'{statistics.median(direct_ttft) * 1000:.2f}/{percentile(direct_ttft, 0.99) * 1000:.2f}':>23}")
+        ttft_samples: dict[str, list[float]] = {name: [] for name in relays}
+        per_event: dict[str, list[float]] = {name: [] for name in relays}
+        busy: dict[str, list[float]] = {name: [] for name in relays}
+        events = concurrency * (1 + EXTRA_EVENTS) + concurrency * 4 * (args.paced_tokens + EXTRA_EVENTS)
+        for round_ in range(args.paced_rounds):  # the relays in turn, each round starting one further on
+            for name in relays[round_ % len(relays):] + relays[:round_ % len(relays)]:
+                before, started = cpu_seconds(setup.processes[name].pid), time.perf_counter()
+                ttft_samples[name] += asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens,
+                                                            args.token_interval))
+                used, elapsed = cpu_seconds(setup.processes[name].pid) - before, time.perf_counter() - started
+                per_event[name].append(used / events * 1e6)
+                busy[name].append(used / elapsed)
         for name in relays:
-            before, started = cpu_seconds(setup.processes[name].pid), time.perf_counter()
-            ttfts = asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens, args.token_interval))
-            used, elapsed = cpu_seconds(setup.processes[name].pid) - before, time.perf_counter() - started
-            events = concurrency * (1 + EXTRA_EVENTS) + concurrency * 4 * (args.paced_tokens + EXTRA_EVENTS)
-            p50, p99 = added_ms(direct_ttft, ttfts)
-            line += f" {f'{p50:.2f}/{p99:.2f}':>20} {used / events * 1e6:>9.2f} {used / elapsed:>5.0%}"
+            p50, p99 = added_ms(direct_ttft, ttft_samples[name])
+            line += (f" {f'{p50:.2f}/{p99:.2f}':>20} {statistics.median(per_event[name]):>9.2f}"
+                     f" {statistics.median(busy[name]):>5.0%}")
         print(line, flush=True)
+        if args.paced_rounds > 1:
+            print(f"# {concurrency} paced streams, us/event per round: "
+                  + "; ".join(f"{name} {' '.join(f'{c:.1f}' for c in per_event[name])}" for name in relays), flush=True)
     if args.requests:
         for name in relays:
             asyncio.run(short_requests(setup.urls[name], WARM_UP, 16))  # its pool grown, its code paths warm
