@@ -106,15 +106,25 @@ class BodyPump:
         if self.stopped is not None:
             self._lost = self._lost or lost
             return
-        if data:
-            framing = self._framing
-            assert framing is not None
+        framing = self._framing
+        assert framing is not None
+        payload = one_chunk(data) if framing.between_chunks and self._chunked else None
+        if payload is not None:  # the usual read: one whole chunk, the framing where it was
+            now = time.monotonic()
+            transport = self._arrived(now)
+            if transport is None:
+                return
+            transport.write(data)
+            self._feed(payload, now)
+            if self._idle_armed:
+                self.deadlines.arm(now)
+            if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held: not paused)
+                self._connection.pause_body()
+                self._stop(Stop.PAUSED)
+            return
+        if data:  # any other read: through the framing's parser
             try:
-                payload = one_chunk(data) if framing.between_chunks else None
-                if payload is not None:  # the usual read: one whole chunk, the framing where it was
-                    out, pieces = data, [payload]
-                else:
-                    out, pieces = framing.feed(data)
+                out, pieces = framing.feed(data)
             except FramingError as exc:  # what came before the fault goes on; the client's connection breaks
                 self.error = ClientPayloadError(f"invalid chunked framing: {exc}")
                 out, pieces = exc.relayable, exc.pieces
