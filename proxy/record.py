@@ -260,6 +260,34 @@ _record_values = operator.attrgetter(*_RECORD_FIELDS)  # every field in one C ca
 RECORD_FIELDS = frozenset(_RECORD_FIELDS)
 
 
+class CompactOnce:
+    """A finished record's compact dict, made once for all the observers of its delivery (the log
+    line and the history's row both need it): `delivering(record)` while the chain runs, `compact`
+    from any observer. Outside a delivery it is made each time. Only the event loop's thread uses it."""
+
+    __slots__ = ("_compact", "_record")
+
+    def __init__(self) -> None:
+        self._record: ResponseRecord | None = None
+        self._compact: dict[str, Any] | None = None
+
+    def delivering(self, record: ResponseRecord | None) -> None:
+        """The record the chain is delivering now (None: the delivery ended)."""
+        self._record, self._compact = record, None
+
+    def compact(self, record: ResponseRecord) -> dict[str, Any]:
+        """`record.to_compact_dict()`; the same dict for every observer of one delivery, which none
+        of them changes."""
+        if record is not self._record:
+            return record.to_compact_dict()
+        if self._compact is None:
+            self._compact = record.to_compact_dict()
+        return self._compact
+
+
+compact_once = CompactOnce()
+
+
 def record_from_dict(data: dict[str, Any]) -> ResponseRecord:
     """A record back from `to_dict()` (a worker's, the admin API's JSON); derived keys are left out."""
     return ResponseRecord(**{k: v for k, v in data.items() if k in RECORD_FIELDS})

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import structlog
 
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring
+from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring, compact_once
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
@@ -52,11 +52,15 @@ class Delivery:
                 continue
             if facts:
                 write_facts(record, facts)
-        for name, observer in self._finishes:
-            try:
-                observer.on_response(record)
-            except Exception as exc:
-                note_failure(record, name, exc)
+        compact_once.delivering(record)  # its fields are final now: one compact dict for all observers
+        try:
+            for name, observer in self._finishes:
+                try:
+                    observer.on_response(record)
+                except Exception as exc:
+                    note_failure(record, name, exc)
+        finally:
+            compact_once.delivering(None)
 
 
 def write_facts(record: ResponseRecord, facts: ServerDuring) -> None:

@@ -12,7 +12,7 @@ import orjson
 import structlog
 
 from proxy.observers.hooks import Observer
-from proxy.record import ResponseRecord
+from proxy.record import ResponseRecord, compact_once
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -130,14 +130,14 @@ class LogObserver(Observer):
         sink = _json_sink
         if sink is not None and sink.level > logging.INFO:
             return
-        fields = record.to_compact_dict()  # (no None values: the line leaves them out)
-        if not fields["observer_errors"]:
-            del fields["observer_errors"]
+        fields = compact_once.compact(record)  # (no None values: the line leaves them out; not to be changed)
         if sink is None:
-            self._log.info("response", **fields)
+            self._log.info("response", **{k: v for k, v in fields.items() if v or k != "observer_errors"})
             return
         line: dict[str, Any] = {"upstream": self.upstream}
         line.update(fields)
+        if not line["observer_errors"]:
+            del line["observer_errors"]
         line["event"] = "response"
         for key, value in structlog.contextvars.get_contextvars().items():
             line.setdefault(key, value)

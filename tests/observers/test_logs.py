@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -128,3 +129,29 @@ def test_a_broken_stdout_never_breaks_the_observer_chain(stdout: _Stdout) -> Non
     record = _record()
     chain.response_finished(record)  # outside a loop: the line's own flush fails, then the warning's
     assert record.observer_errors and "stdout is gone" in record.observer_errors[0]
+
+
+
+def test_the_log_line_and_the_history_row_share_one_compact_dict_per_delivery(
+        stdout: _Stdout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record's compact dict is made once per delivery: the log line and the history's row use
+    the same one, unchanged by either; and what each writes is what the record says."""
+    from proxy.diagnosis.delivery import Delivery
+    from proxy.observers.history import History
+    from proxy.observers.history.backend import row_of
+    from proxy.record import compact_once
+
+    logs.configure_logging("info", "json", stream=stdout)
+    history = History(str(tmp_path / "h.sqlite3"), max_age_s=0, max_bytes=0)
+    history._thread = object()  # type: ignore[assignment]  # a writer is running (the buffer is looked at here)
+    record = _record()
+    made: list[ResponseRecord] = []
+    to_compact = ResponseRecord.to_compact_dict
+    monkeypatch.setattr(ResponseRecord, "to_compact_dict", lambda self: (made.append(self), to_compact(self))[1])
+    Delivery([logs.LogObserver("http://upstream:8000"), history]).response_finished(record)
+    assert made == [record]
+    ((taken, body),) = history._pending
+    assert taken is record and body == to_compact(record) and row_of(record, body) == row_of(record)
+    line = orjson.loads(stdout.buffer.getvalue())
+    assert line["request_id"] == "req-1" and "observer_errors" not in line and body["observer_errors"] == []
+    assert compact_once.compact(record) is not body  # outside a delivery it is made anew

@@ -61,8 +61,9 @@ class Backend(Protocol):
         """Open the writer's connection and make the schema; Unavailable or Rejected when it cannot."""
         ...
 
-    def write(self, records: list[ResponseRecord]) -> None:
-        """Insert a batch in one transaction, idempotently; Unavailable or Rejected when it cannot."""
+    def write(self, records: list[ResponseRecord], bodies: list[dict[str, Any]] | None = None) -> None:
+        """Insert a batch in one transaction, idempotently (`bodies`: the records' compact dicts, when
+        made already); Unavailable or Rejected when it cannot."""
         ...
 
     def retain(self, max_age_s: float, max_bytes: int) -> None:
@@ -94,9 +95,17 @@ class Backend(Protocol):
         ...
 
 
-def row_of(record: ResponseRecord) -> tuple[Any, ...]:
-    """The row of a record: its query columns and its body."""
-    body = record.to_compact_dict()
+def rows_of(records: list[ResponseRecord], bodies: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
+    """The rows of a batch (`bodies`: the records' compact dicts, made once per delivery)."""
+    if bodies is None:
+        return [row_of(record) for record in records]
+    return [row_of(record, body) for record, body in zip(records, bodies, strict=True)]
+
+
+def row_of(record: ResponseRecord, body: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """The row of a record: its query columns and its body (`body`: its compact dict, if made)."""
+    if body is None:
+        body = record.to_compact_dict()
     return (_text(record.instance) or "", _text(record.upstream), _text(record.client), _text(record.request_id),
             _text(record.upstream_request_id), record.started_at, _text(record.model), _text(record.route),
             record.stop_reason, record.length_cause, body["cause"], body["outcome"],

@@ -30,7 +30,7 @@ from proxy.observers.history.backend import (
     Unavailable,
     page_from_rows,
     record_from_body,
-    row_of,
+    rows_of,
 )
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord
@@ -109,11 +109,11 @@ class PostgresBackend:
             raise self._failure(exc) from None
         self._connection = connection
 
-    def write(self, records: list[ResponseRecord]) -> None:
+    def write(self, records: list[ResponseRecord], bodies: list[dict[str, Any]] | None = None) -> None:
         if self._connection is None:
             self.connect()
         assert self._connection is not None
-        rows = [row_of(record) for record in records]
+        rows = rows_of(records, bodies)
         try:
             with self._connection.transaction(), self._connection.cursor() as cursor:
                 with cursor.copy(COPY) as copy:

@@ -12,6 +12,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from proxy.observers.history.backend import (
     COLUMNS,
@@ -20,7 +21,7 @@ from proxy.observers.history.backend import (
     Rejected,
     page_from_rows,
     record_from_body,
-    row_of,
+    rows_of,
 )
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord
@@ -97,10 +98,10 @@ class SQLiteBackend:
             raise Rejected(str(exc)[:300]) from None
         self._connection = connection
 
-    def write(self, records: list[ResponseRecord]) -> None:
+    def write(self, records: list[ResponseRecord], bodies: list[dict[str, Any]] | None = None) -> None:
         connection = self._writer()
         try:
-            rows = [row_of(record) for record in records]
+            rows = rows_of(records, bodies)
             connection.execute("BEGIN")
             connection.executemany(INSERT, rows)
             connection.execute("COMMIT")

@@ -32,7 +32,7 @@ from proxy.observers.history.backend import Backend, HistoryError, Rejected, Una
 from proxy.observers.history.source import HistorySource
 from proxy.observers.hooks import Observer
 from proxy.observers.record_store import Page, RecordQuery
-from proxy.record import ResponseRecord
+from proxy.record import ResponseRecord, compact_once
 
 _log = structlog.get_logger("llm_diag_proxy")
 BUFFER = 50_000  # records waiting for the writer; past it they are counted as dropped
@@ -58,7 +58,7 @@ class History(Observer):
         # The buffer: appended to by the event loop without a lock or a wake-up (a deque's append and
         # popleft are atomic); the writer looks every FLUSH_S, or at once when a batch is full or a
         # listing waits. A lock and a wake-up per record cost the loop more than the write itself.
-        self._pending: deque[ResponseRecord] = deque()
+        self._pending: deque[tuple[ResponseRecord, dict[str, Any]]] = deque()  # with its compact dict
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -115,7 +115,7 @@ class History(Observer):
         if len(pending) >= self.buffer:
             self._dropped(1)
             return
-        pending.append(record)
+        pending.append((record, compact_once.compact(record)))  # (made once for the log line too)
         self._handed += 1
         if len(pending) == BATCH_MAX:
             self._wake.set()
@@ -135,7 +135,7 @@ class History(Observer):
     # --- the writer thread --------------------------------------------------------------------
     def _run(self, connected: bool) -> None:
         backoff = BACKOFF_MIN_S
-        batch: list[ResponseRecord] = []
+        batch: list[tuple[ResponseRecord, dict[str, Any]]] = []
         stopping = False
         while True:
             if not connected:
@@ -153,7 +153,7 @@ class History(Observer):
                 batch, stopping = self._collect()
             if batch:
                 try:
-                    self.backend.write(batch)
+                    self.backend.write([record for record, _ in batch], [body for _, body in batch])
                 except Unavailable as exc:  # kept: written once the database answers again
                     connected = False
                     self._failed("history_write_failed", str(exc))
@@ -176,7 +176,7 @@ class History(Observer):
                 break
         self.backend.close()
 
-    def _collect(self) -> tuple[list[ResponseRecord], bool]:
+    def _collect(self) -> tuple[list[tuple[ResponseRecord, dict[str, Any]]], bool]:
         """The next batch: what is buffered after FLUSH_S (or at once when woken: a full batch, a
         listing that waits, the stop), at most BATCH_MAX; and whether the writer is to stop."""
         pending = self._pending
