@@ -9,14 +9,14 @@ from proxy.wire.fast_tokens import EVENTS, VISIBLE
 from proxy.wire.parsers import ResponseParser
 
 _ONE_TOKEN = EVENTS[VISIBLE]  # the parsers' answer for a read of one plain token, always this list
-ITL_SAMPLES_CAP = 65_536
+ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, only mean and max
 # A stream's reads are parsed in runs of this many (or bytes), not one by one as they pass: at one
 # event per read a server's reads come tens of milliseconds apart, and each parse alone runs cold
 # (its code and data out of the CPU's caches). In a run they cost a third. Nothing reads the tally
 # before the body ends (`close` parses what is left), and every read keeps its own arrival time,
 # so the record is the one a read-by-read parse makes.
 RUN_READS = 16
-RUN_BYTES = 64 * 1024  # gaps kept per response for the percentiles; beyond, only mean and max
+RUN_BYTES = 64 * 1024
 
 
 class StreamTally:

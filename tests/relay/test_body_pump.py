@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
-from tests.relay.test_upstream_connection import connected
+from tests.relay.test_upstream_connection import answered, connected
 from tests.support.mock_transport import MockTransport
 
 
@@ -22,9 +22,7 @@ class FullTransport(MockTransport):
 
 async def pumping(client_paused: bool) -> tuple[BodyPump, Connection, MockTransport, MockTransport, list[bytes]]:
     connection, upstream = connected()
-    connection.expect_answer(head=False)
-    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    _, payload = await connection.read()
+    payload = await answered(connection)
     to_client = FullTransport()
     client = SimpleNamespace(transport=to_client, writing_paused=client_paused)
     fed: list[bytes] = []

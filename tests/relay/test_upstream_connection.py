@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from aiohttp.client_exceptions import ClientOSError
+from aiohttp.streams import StreamReader
 
 from proxy.relay.upstream.connection import SETTLE_S, Connection
 from tests.support.mock_transport import MockTransport
@@ -28,6 +29,24 @@ def connected(sock: socket.socket | None = None) -> tuple[Connection, MockTransp
     transport.set_protocol(connection)
     connection.connection_made(transport)
     return connection, transport
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def answered(connection: Connection, head: bytes = CHUNKED_HEAD) -> StreamReader:
+    """The connection's next answer begun with `head`: its body reader."""
+    connection.expect_answer(head=False)
+    connection.data_received(head)
+    _, payload = await connection.read()
+    return payload
+
+
+def taken(connection: Connection) -> list[tuple[bytes, bool]]:
+    """What the connection hands the relay from now on: each read, and the loss."""
+    reads: list[tuple[bytes, bool]] = []
+    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    return reads
 
 
 async def test_an_answer_fed_in_pieces_is_parsed_and_its_bytes_counted() -> None:
@@ -51,8 +70,7 @@ async def test_a_chunked_body_is_held_past_the_parser_and_handed_over_as_it_came
     message, payload = await connection.read()
     assert message.chunked and connection.raw_body and payload.total_bytes == 0
     connection.data_received(b"0\r\nX-Sum: 42\r\n\r\n")
-    reads: list[tuple[bytes, bool]] = []
-    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    reads = taken(connection)
     connection.data_received(b"more")
     assert reads == [(b"5\r\nhello\r\n0\r\nX-Sum: 42\r\n\r\n", False), (b"more", False)]
     connection.body_ended(extra=True)
@@ -63,11 +81,8 @@ async def test_while_a_body_is_taken_the_transport_reads_straight_into_the_taker
     """The loop calls the taker itself per read (no call through the connection); losing the
     connection still reaches it, and once the body ended the connection reads again."""
     connection, transport = connected()
-    connection.expect_answer(head=False)
-    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    await connection.read()
-    reads: list[tuple[bytes, bool]] = []
-    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    await answered(connection)
+    reads = taken(connection)
     taking = transport.get_protocol()
     assert taking is not connection
     taking.data_received(b"3\r\nabc\r\n")
@@ -76,10 +91,8 @@ async def test_while_a_body_is_taken_the_transport_reads_straight_into_the_taker
     taking.resume_writing()
     connection.body_ended(extra=False)
     assert transport.get_protocol() is connection and reads == [(b"3\r\nabc\r\n", False)]
-    connection.expect_answer(head=False)
-    connection.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    await connection.read()
-    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    await answered(connection)
+    reads = taken(connection)
     transport.get_protocol().connection_lost(None)
     assert reads[-1] == (b"", True)
 
@@ -92,8 +105,7 @@ async def test_an_interim_answer_is_parsed_and_the_final_heads_body_held() -> No
     interim, _ = await connection.read()
     final, _ = await connection.read()
     assert (interim.code, final.code, connection.raw_body) == (100, 200, True)
-    reads: list[tuple[bytes, bool]] = []
-    connection.take_body(lambda data, lost=False: reads.append((data, lost)))
+    reads = taken(connection)
     assert reads == [(b"3\r\nabc\r\n", False)]
 
 
