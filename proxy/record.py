@@ -258,6 +258,21 @@ class ResponseRecord:
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
 _record_values = operator.attrgetter(*_RECORD_FIELDS)  # every field in one C call
 RECORD_FIELDS = frozenset(_RECORD_FIELDS)
+# The fields that may hold text from outside the proxy (a client's body, a server's header or answer).
+TEXT_FIELDS = tuple(f.name for f in fields(ResponseRecord) if f.type in ("str", "str | None"))
+
+
+def utf8_text(text: str) -> str:
+    """`text` as it can be written in UTF-8: a lone surrogate (a `\\ud800` escape in a client's JSON,
+    a header byte that is not UTF-8, as aiohttp decodes it) becomes `?`."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode()
+    return text
+
 
 
 class CompactOnce:

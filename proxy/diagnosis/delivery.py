@@ -7,15 +7,17 @@ traffic, nor the observers after it: its failure becomes a note in `observer_err
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterable
 
 import structlog
 
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring, compact_once
+from proxy.record import SERVER_FACTS, TEXT_FIELDS, ResponseRecord, ServerDuring, compact_once, utf8_text
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
+_text_values = operator.attrgetter(*TEXT_FIELDS)
 
 
 class Delivery:
@@ -52,6 +54,7 @@ class Delivery:
                 continue
             if facts:
                 write_facts(record, facts)
+        make_writable(record)  # a client's lone surrogate must not break the JSON, labels and rows below
         compact_once.delivering(record)  # its fields are final now: one compact dict for all observers
         try:
             for name, observer in self._finishes:
@@ -77,3 +80,18 @@ def note_failure(record: ResponseRecord, name: str, exc: Exception) -> None:
     # The log itself may be what failed (a closed or broken stdout): the record says it then.
     with contextlib.suppress(OSError, ValueError):
         _log.warning("observer_failed", observer=name, error=repr(exc)[:300], request_id=record.request_id)
+
+
+def make_writable(record: ResponseRecord) -> None:
+    """Every text field of a finished record writable in UTF-8, so that JSON, a metric label, a log
+    line or a database can take it: one lone surrogate would otherwise break each of them, and the
+    history's writer, `/metrics` and the record's page with it. The usual record, all ASCII, is
+    looked at in a few C calls."""
+    values = _text_values(record)
+    if "".join(filter(None, values)).isascii():
+        return
+    for name, value in zip(TEXT_FIELDS, values, strict=True):
+        if value:
+            fixed = utf8_text(value)
+            if fixed is not value:
+                setattr(record, name, fixed)

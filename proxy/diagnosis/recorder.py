@@ -16,7 +16,7 @@ from typing import Literal
 from proxy.diagnosis.classify import WireFacts, classify
 from proxy.diagnosis.prompt_rules import PromptCount, context_of, length_cause_from_prompt, prompt_truncation
 from proxy.diagnosis.stream_tally import StreamTally
-from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind
+from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind, utf8_text
 from proxy.wire.byte_budget import UNLIMITED, ByteBudget
 from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
@@ -233,7 +233,7 @@ class Recorder:
     def upstream_named(self, request_id: str) -> None:
         """The upstream answered with an `X-Request-Id` of its own (kept beside the proxy's)."""
         if request_id != self.record.request_id:
-            self.record.upstream_request_id = request_id[:128]
+            self.record.upstream_request_id = utf8_text(request_id[:128])
 
     def known_as(self, request_id: str) -> None:
         """The exchange's id is this one after all (the sweep: the id the proxy answered with)."""

@@ -4,12 +4,13 @@ Credentials in the upstream URL, credentials echoed by the HTTP parser, a POST s
 test_upstream_pool.py), a listen backlog too short for a burst, a shutdown that outlived every
 grace period, unbounded body memory, `Expect: 100-continue`, an admin scrape that stalls live
 streams, headers the proxy changed, odd admin authorization, slow-header clients, half-closed
-clients.
+clients, text that is not UTF-8.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -26,7 +28,7 @@ from aiohttp import web
 
 from proxy.config import ConfigError, parse_upstream_url
 from proxy.serve.app import RunningProxy
-from tests.support.proxies import ProxyFactory, record_for
+from tests.support.proxies import ProxyFactory, record_for, start_served
 from tests.support.raw_http import exchange
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import JSON_HEADERS, openai_completion, openai_stream
@@ -477,3 +479,52 @@ async def test_a_client_that_half_closes_after_its_request_is_treated_as_gone_li
     writer.close()
     record = await record_for(proxy, "half")
     assert record.stop_reason == "client_disconnect" and len(received) < len(b"".join(openai_stream(50)))
+
+
+# --- 11. text that is not UTF-8 --------------------------------------------------------------------
+
+async def test_a_lone_surrogate_from_a_client_or_a_server_never_stops_the_history_metrics_or_log(
+        tmp_path: Path) -> None:
+    """A lone surrogate once stopped the history's writer for good (every later record unlisted)
+    and turned /metrics into a 500 for good: a client's `\\ud800` escape in its model name (in a
+    body past orjson's size, which the standard parser reads), or a server's X-Request-Id byte
+    that is not UTF-8 (aiohttp decodes it as a surrogate). Each becomes `?` in the record."""
+    answer = openai_completion(2)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().partition(b"content-length:")[2].split(b"\r\n")[0] or b"0")
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Request-Id: up-\xff\xfe\r\n"
+                             b"Content-Length: %d\r\n\r\n%b" % (len(answer), answer))
+                await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    served = await start_served(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", tmp_path,
+                                "--history", str(tmp_path / "history.sqlite3"))
+    try:
+        big = b'{"model": "\\ud800m", "messages": [{"role": "user", "content": "%b"}]}' % (b"a" * 300_000)
+        async with aiohttp.ClientSession() as client:
+            for request_id, body in (("odd", big), ("plain", orjson.dumps(CHAT | {"stream": False}))):
+                async with client.post(served.proxy_url + "/v1/chat/completions", data=body,
+                                       headers={**JSON_HEADERS, "X-Request-Id": request_id}) as response:
+                    assert response.status == 200 and await response.read() == answer
+            async with client.get(served.admin_url + "/api/requests") as response:  # read-your-writes
+                assert response.status == 200
+                listed = {r["request_id"]: r for r in orjson.loads(await response.read())["records"]}
+            async with client.get(served.admin_url + "/metrics") as response:
+                assert response.status == 200
+                metrics = await response.text()
+    finally:
+        served.stop()
+        server.close()
+    assert set(listed) == {"odd", "plain"}
+    assert listed["odd"]["model"] == "?m" and listed["odd"]["upstream_request_id"] == "up-??"
+    assert 'model="?m"' in metrics and "llm_proxy_history_up 1.0" in metrics
+    assert "llm_proxy_history_dropped_total 0.0" in metrics
+    logged = {line["request_id"]: line for line in served.lines() if line.get("event") == "response"}
+    assert logged["odd"]["model"] == "?m" and "observer_errors" not in logged["odd"]
+    assert not [line for line in served.lines() if line.get("level") in ("error", "warning")]
+    assert "Traceback" not in served.log.read_text()

@@ -155,3 +155,20 @@ def test_the_log_line_and_the_history_row_share_one_compact_dict_per_delivery(
     line = orjson.loads(stdout.buffer.getvalue())
     assert line["request_id"] == "req-1" and "observer_errors" not in line and body["observer_errors"] == []
     assert compact_once.compact(record) is not body  # outside a delivery it is made anew
+
+
+def test_a_delivered_record_holds_only_text_utf8_can_write(stdout: _Stdout) -> None:
+    """Lone surrogates (a client's `\\ud800` escape, a header byte aiohttp decoded as one) become `?`
+    before any observer sees the record; other text, non-ASCII included, is left as it is."""
+    from proxy.diagnosis.delivery import Delivery
+
+    logs.configure_logging("info", "json", stream=stdout)
+    record = _record()
+    record.model, record.upstream_request_id, record.finish_reason_raw = "\ud800m", "up-\udcff", "stop"
+    record.upstream_error_detail = "café ☕"
+    detail = record.upstream_error_detail
+    Delivery([logs.LogObserver("http://upstream")]).response_finished(record)
+    assert (record.model, record.upstream_request_id) == ("?m", "up-?")
+    assert record.upstream_error_detail is detail and record.observer_errors == []
+    line = orjson.loads(stdout.buffer.getvalue())
+    assert line["model"] == "?m" and line["upstream_error_detail"] == "café ☕"

@@ -161,6 +161,9 @@ class History(Observer):
                 except Rejected as exc:
                     self._done(0, len(batch))
                     self._failed("history_write_failed", str(exc))
+                except Exception as exc:  # not the database's doing: counted and said, and the writer goes on
+                    self._done(0, len(batch))
+                    self._failed("history_write_failed", f"{type(exc).__name__}: {exc}")
                 else:
                     self._done(len(batch), 0)
                     self._recovered()
@@ -170,8 +173,8 @@ class History(Observer):
             except Unavailable as exc:
                 connected = False
                 self._failed("history_write_failed", str(exc))
-            except Rejected as exc:
-                self._failed("history_write_failed", str(exc))
+            except Exception as exc:  # Rejected, or not the database's doing
+                self._failed("history_write_failed", f"{type(exc).__name__}: {exc}")
             if stopping:
                 break
         self.backend.close()

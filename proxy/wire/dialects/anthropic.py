@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.record import RequestInfo, StopReason
+from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
     as_int,
@@ -111,7 +111,7 @@ def events(obj: Any) -> list[Event]:
 
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     model = obj.get("model")
-    info.model = model[:200] if isinstance(model, str) else None
+    info.model = utf8_text(model[:200]) if isinstance(model, str) else None
     info.requested_max_tokens = positive_budget(obj.get("max_tokens"))
     info.temperature = as_number(obj.get("temperature"))
     info.stop_requested = bool(obj.get("stop_sequences"))

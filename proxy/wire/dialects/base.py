@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.record import RequestInfo
+from proxy.record import RequestInfo, utf8_text
 from proxy.wire.events import ErrorEvent, Event
 
 
@@ -76,7 +76,7 @@ def expect_object(obj: Any) -> dict[str, Any]:
 def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[str, ...]) -> None:
     """Model, sampling and the first budget field present: what most dialects read alike."""
     model = obj.get("model")
-    info.model = model[:200] if isinstance(model, str) else None
+    info.model = utf8_text(model[:200]) if isinstance(model, str) else None
     for name in budget_fields:
         if obj.get(name) is not None:
             info.requested_max_tokens = positive_budget(obj.get(name))

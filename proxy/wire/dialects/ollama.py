@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.record import RequestInfo, StopReason
+from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
     as_int,
@@ -66,7 +66,7 @@ def events(obj: Any) -> list[Event]:
 
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     model = obj.get("model")
-    info.model = model[:200] if isinstance(model, str) else None
+    info.model = utf8_text(model[:200]) if isinstance(model, str) else None
     options = obj.get("options")
     if isinstance(options, dict):
         info.requested_max_tokens = positive_budget(options.get("num_predict"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from structlog.testing import capture_logs
 
 from proxy.observers.history import History
 from proxy.observers.record_store import RecordQuery
@@ -105,6 +106,26 @@ async def test_a_full_disk_drops_records_from_the_history_only_and_says_so(tmp_p
     while history.up and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not history.up and history.dropped > 0
+    await asyncio.to_thread(history.close)
+
+
+async def test_a_batch_the_writer_cannot_encode_is_counted_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """Not the database's failure but the writer's own (here a record that skipped the delivery's
+    UTF-8 check): once it stopped the writer's thread for good, silently."""
+    history = History(str(tmp_path / "own.sqlite3"), max_age_s=0, max_bytes=0)
+    assert history.open()
+    with capture_logs() as logs:
+        history.on_response(stored_record("odd", time.time(), model="\ud800"))
+        deadline = time.monotonic() + 10
+        while history.dropped == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert history.dropped == 1 and not history.up and history.written == 0
+        history.on_response(stored_record("next", time.time()))
+        await until_written(history, 1)
+    assert history.up and [r.request_id for r in history.page(RecordQuery()).records] == ["next"]
+    failed = [line for line in logs if line["event"] == "history_write_failed"]
+    assert len(failed) == 1 and "surrogates" in failed[0]["error"]
+    assert [line["event"] for line in logs if line["event"] == "history_recovered"] == ["history_recovered"]
     await asyncio.to_thread(history.close)
 
 
