@@ -1,9 +1,10 @@
 """The fleet's history: one PostgreSQL that every proxy writes to (psycopg 3), `--history postgresql://…`.
 
 One table, `llm_diag_records`, made by the first proxy that connects (under an advisory lock,
-so that proxies starting together do not race). A batch is one INSERT of arrays (`unnest`),
-`ON CONFLICT DO NOTHING` on (instance, request_id, started_at). The body is JSONB, so an operator
-can ask the records anything in SQL.
+so that proxies starting together do not race). A batch is one COPY of the records' JSON into a
+staging table, then one INSERT that takes the query columns from it, `ON CONFLICT DO NOTHING` on
+(instance, request_id, started_at). The body is JSONB, so an operator can ask the records anything
+in SQL.
 
 The password comes from the URL, from `PGPASSWORD` or `~/.pgpass` (libpq reads them), or from a
 file (`--history-password-file`); it is never shown: errors are scrubbed of it, the URL is shown
@@ -19,21 +20,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import psycopg
 
 from proxy.config import redact_url
 from proxy.observers.history.backend import (
     COLUMNS,
+    MAX_TEXT,
     HistoryReadError,
     Queries,
     Rejected,
     Unavailable,
     page_from_rows,
     record_from_body,
-    rows_of,
 )
 from proxy.observers.record_store import Page, RecordQuery
-from proxy.record import ResponseRecord
+from proxy.record import ResponseRecord, concurrency_bucket
 
 TABLE = "llm_diag_records"
 SCHEMA_LOCK = 0x6C6C6D64  # pg_advisory_xact_lock key: one proxy makes the schema at a time
@@ -60,14 +62,20 @@ CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id ON {TABLE} (upstream_requ
 """
 # A batch goes by COPY into a staging table of the session (emptied at each commit), then into the
 # table with ON CONFLICT DO NOTHING: COPY is PostgreSQL's fastest way in, and cannot skip conflicts itself.
+# A staged row is the record's JSON and its concurrency label; the server takes the query columns from
+# the JSON (cut to MAX_TEXT as SQLite's row is), so that the proxy's thread only writes the JSON.
 QUERIES = Queries(TABLE, "body::text", "%s")
 STAGE = f"{TABLE}_stage"
-MAKE_STAGE = (f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} (instance TEXT, upstream TEXT, client TEXT, request_id TEXT, "
-              "upstream_request_id TEXT, started_at DOUBLE PRECISION, model TEXT, route TEXT, stop_reason TEXT, "
-              "length_cause TEXT, cause TEXT, outcome TEXT, concurrency TEXT, body JSONB) ON COMMIT DELETE ROWS")
-COPY = f"COPY {STAGE} ({', '.join(COLUMNS)}) FROM STDIN"
-INSERT = (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) SELECT {', '.join(COLUMNS)} FROM {STAGE} "
-          "ON CONFLICT DO NOTHING")
+MAKE_STAGE = f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} (concurrency TEXT, body JSONB) ON COMMIT DELETE ROWS"
+COPY = f"COPY {STAGE} (concurrency, body) FROM STDIN"
+_FROM_BODY = {
+    **{name: f"left(body->>'{name}', {MAX_TEXT})" for name in COLUMNS},
+    "instance": f"coalesce(left(body->>'instance', {MAX_TEXT}), '')",
+    "started_at": "(body->>'started_at')::double precision",
+    **{name: f"body->>'{name}'" for name in ("stop_reason", "length_cause", "cause", "outcome")},
+    "concurrency": "concurrency", "body": "body"}
+INSERT = (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) SELECT {', '.join(_FROM_BODY[name] for name in COLUMNS)} "
+          f"FROM {STAGE} ON CONFLICT DO NOTHING")
 _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 
 
@@ -85,6 +93,7 @@ class PostgresBackend:
     def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         extra: dict[str, Any] = {"password": self._password} if self._password is not None else {}
         return psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT_S, application_name="llm-diag-proxy",
+                               client_encoding="utf8",  # what copy_data writes, whatever the database's own
                                keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
                                **extra, **options)
 
@@ -113,12 +122,11 @@ class PostgresBackend:
         if self._connection is None:
             self.connect()
         assert self._connection is not None
-        rows = rows_of(records, bodies)
+        data = copy_data(records, bodies)
         try:
             with self._connection.transaction(), self._connection.cursor() as cursor:
                 with cursor.copy(COPY) as copy:
-                    for row in rows:
-                        copy.write_row(_no_nul(row))
+                    copy.write(data)
                 cursor.execute(INSERT)
         except psycopg.Error as exc:
             raise self._failure(exc) from None
@@ -203,26 +211,20 @@ def _password_of(url: str) -> str | None:
     return unquote(password) if password else None
 
 
-def _json_text(body: bytes) -> str:
-    """The body for JSONB, which refuses the escaped NUL character JSON allows: U+FFFD in its place
-    (looked for first: a regex over every body would cost more than the rest of the write)."""
-    if b"\\u0000" in body:
-        body = _NUL_ESCAPE.sub(rb"\1\\ufffd", body)
-    return body.decode()
-
-
-# The text columns whose value a client or a server chose freely (the others are the proxy's own
-# words, a validated id, or printable by construction): the model and the upstream's request id.
-_FREE_TEXT = (COLUMNS.index("model"), COLUMNS.index("upstream_request_id"))
-
-
-def _no_nul(row: tuple[Any, ...]) -> list[Any]:
-    """A row as COPY takes it: PostgreSQL's text holds no NUL character, which a model name a client
-    sent may; U+FFFD in its place, and the body as JSON text."""
-    out = list(row)
-    for index in _FREE_TEXT:
-        value = out[index]
-        if value is not None and "\x00" in value:
-            out[index] = value.replace("\x00", "\ufffd")
-    out[-1] = _json_text(out[-1])
-    return out
+def copy_data(records: list[ResponseRecord], bodies: list[dict[str, Any]] | None) -> bytes:
+    """A batch in COPY's text format, a line per record: its concurrency label, a tab, its JSON.
+    JSON has no raw tab, newline or carriage return (orjson escapes them in strings), so the one
+    byte COPY reads specially in it is the backslash, doubled here. JSONB refuses the escaped NUL
+    that JSON allows: U+FFFD in its place (looked for first: a regex over every body would cost
+    more than the rest of the write)."""
+    if bodies is None:
+        bodies = [record.to_compact_dict() for record in records]
+    lines = []
+    for record, body in zip(records, bodies, strict=True):
+        text = orjson.dumps(body, default=str)
+        if b"\\" in text:
+            if b"\\u0000" in text:
+                text = _NUL_ESCAPE.sub(rb"\1\\ufffd", text)
+            text = text.replace(b"\\", b"\\\\")
+        lines.append(b"%b\t%b\n" % (concurrency_bucket(record.concurrency_peak).encode(), text))
+    return b"".join(lines)

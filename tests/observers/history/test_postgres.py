@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
 
 from proxy.observers.history import History, HistoryReadError
+from proxy.observers.history.backend import COLUMNS, row_of
 from proxy.observers.history.postgres import PostgresBackend
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.record_store import RecordQuery
@@ -74,6 +76,35 @@ async def test_a_batch_written_twice_adds_nothing_and_a_reused_client_id_is_a_ne
         assert stored.upstream_error_detail == "a\ufffdb \\u0000 c"
     finally:
         backend.close()
+
+
+def test_the_columns_postgresql_takes_from_the_json_are_the_rows_sqlite_writes(postgres: PostgresServer) -> None:
+    """The query columns come from the record's JSON on the server's side: they must be what
+    `row_of` gives SQLite, cut to the same length, for text COPY reads specially (backslashes,
+    tabs, newlines, `\\N`, `\\.`), text past MAX_TEXT, non-ASCII, NUL, and times to the last bit."""
+    odd = ["a\\b", "tab\there", "new\nline\r", "\\N", "\\.", "caf\u00e9 \u2603 \U0001f600", "q\"uote'",
+           "x" * 600, "\u00e9" * 600, "\\" * 300, "m\x00odel"]
+    records = [record(f"r{n}", 1796422099.0 + n / 7 + 1e-9 * n, model=text, upstream_request_id=text,
+                      client=text if n % 2 else None, route=text, concurrency_peak=n * 13,
+                      stop_reason=("eos", "length", "unknown")[n % 3], instance="" if n == 3 else f"h{n}:80",
+                      upstream=None if n == 4 else "http://u:1") for n, text in enumerate(odd)]
+    backend = PostgresBackend(postgres.url())
+    backend.connect()
+    try:
+        backend.write(records)
+    finally:
+        backend.close()
+    stored = postgres.psql(f"SELECT {', '.join(COLUMNS[:-1])} FROM llm_diag_records ORDER BY seq")
+    assert stored == [tuple(map(nul_free, row_of(each)[:-1])) for each in records]
+    assert [backend.get(f"r{n}") for n in range(len(odd))] == [
+        replace(each, **{name: nul_free(getattr(each, name)) for name in ("model", "upstream_request_id", "client",
+                                                                          "route")})
+        for each in records]
+
+
+def nul_free(value: object) -> object:
+    """Text as PostgreSQL keeps it: U+FFFD where a NUL was."""
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
 
 
 def test_proxies_starting_together_make_the_schema_once(postgres: PostgresServer) -> None:
