@@ -11,9 +11,10 @@ fast as the event loop would, and times until the last is committed.
     python benchmarks/history.py --records 200000 --url postgresql://user@host/db   # your own server
 
 Prints records/s per backend (the median round), what `on_response` costs the caller (the event
-loop) per record, and the bytes per record on disk (the table with
-its indexes, PostgreSQL's TOAST included; the SQLite file and its WAL), which docs/history.md turns
-into a sizing rule. Never run as a timed test: the figures depend on the machine and the disk.
+loop) per record, what the record's compact dict costs (made once per record, for the log line and
+the row alike), and the bytes per record on disk (the table with its indexes, PostgreSQL's TOAST
+included; the SQLite file and its WAL), which docs/history.md turns into a sizing rule.
+Never run as a timed test: the figures depend on the machine and the disk.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.observers.history import History
-from proxy.record import ResponseRecord
+from proxy.record import ResponseRecord, compact_once
 
 
 def typical(n: int, now: float) -> ResponseRecord:
@@ -51,37 +52,48 @@ def typical(n: int, now: float) -> ResponseRecord:
         preemptions_scope="server")
 
 
-def rounds_of(history: History, records: int, rounds: int) -> tuple[list[float], list[float]]:
+def rounds_of(history: History, records: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
     """Records/s of each round (hand `records` to the writer, in bursts of 1,000 as a loop hands
-    them over between other work, and wait until all are committed), and the caller's µs per record."""
-    rates, costs = [], []
+    them over between other work, and wait until all are committed), the caller's µs per record
+    in `on_response`, and in the record's compact dict. The records are handed over as the delivery
+    does: the compact dict is made once per record, for the log line and the history's row alike,
+    so it is timed apart (with `--log-records off` the history alone pays it)."""
+    rates, costs, dicts = [], [], []
+    clock = time.perf_counter_ns
     for number in range(rounds):
         batch = [typical(number * records + n, time.time()) for n in range(records)]
         before = history.written
         started = time.perf_counter()
-        handed = 0.0
+        handed = made = 0
         for chunk in range(0, records, 1000):
-            t0 = time.perf_counter()
             for record in batch[chunk:chunk + 1000]:
+                compact_once.delivering(record)
+                t0 = clock()
+                compact_once.compact(record)
+                t1 = clock()
                 history.on_response(record)
-            handed += time.perf_counter() - t0
+                handed += clock() - t1
+                made += t1 - t0
+            compact_once.delivering(None)
             time.sleep(0.001)
         while history.written - before < records:
             if history.dropped:
                 raise SystemExit(f"the writer dropped {history.dropped} records")
             time.sleep(0.005)
         rates.append(records / (time.perf_counter() - started))
-        costs.append(handed / records * 1e6)
-    return rates, costs
+        costs.append(handed / records / 1e3)
+        dicts.append(made / records / 1e3)
+    return rates, costs, dicts
 
 
-def measure(target: str, records: int, rounds: int, password: str | None = None) -> tuple[float, float, float, int]:
-    """(median records/s, µs per on_response, bytes per record, rows) for one history target."""
+def measure(target: str, records: int, rounds: int,
+            password: str | None = None) -> tuple[float, float, float, float, int]:
+    """(median records/s, µs per on_response, µs per compact dict, bytes per record, rows) for one target."""
     history = History(target, max_age_s=0, max_bytes=0, password=password, buffer=records + 10)
     if not history.open():
         raise SystemExit(f"cannot open the history at {history.shown}")
     try:
-        rates, costs = rounds_of(history, records, rounds)
+        rates, costs, dicts = rounds_of(history, records, rounds)
     finally:
         history.close(60)
     if target.startswith("postgres"):
@@ -90,7 +102,8 @@ def measure(target: str, records: int, rounds: int, password: str | None = None)
         with psycopg.connect(target, password=password, autocommit=True) as connection:
             connection.execute("VACUUM ANALYZE llm_diag_records")
     rows = history.count()
-    return statistics.median(rates), statistics.median(costs), history.size_bytes() / max(rows, 1), rows
+    return (statistics.median(rates), statistics.median(costs), statistics.median(dicts),
+            history.size_bytes() / max(rows, 1), rows)
 
 
 def main() -> int:
@@ -118,9 +131,10 @@ def main() -> int:
             server.close()
     print(f"# {time.strftime('%Y-%m-%d')}: the history writer, {args.records} typical records per round, "
           f"{args.rounds} rounds, median round; {os.cpu_count()} CPUs")
-    print(f"{'backend':<11} {'records/s':>10} {'on_response us':>15} {'bytes/record':>13} {'rows':>8}")
-    for name, (rate, cost, per_record, rows) in results.items():
-        print(f"{name:<11} {rate:>10,.0f} {cost:>15.1f} {per_record:>13,.0f} {rows:>8}")
+    print(f"{'backend':<11} {'records/s':>10} {'on_response us':>15} {'compact dict us':>16} {'bytes/record':>13} "
+          f"{'rows':>8}")
+    for name, (rate, cost, made, per_record, rows) in results.items():
+        print(f"{name:<11} {rate:>10,.0f} {cost:>15.1f} {made:>16.1f} {per_record:>13,.0f} {rows:>8}")
     return 0
 
 

@@ -431,7 +431,8 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
           f"{args.workers}, history {'on' if args.history else 'off'}{history_note(args.history_to)}; "
           f"{os.cpu_count()} CPUs; pinning: {setup.pinning}")
     print(f"# unpaced: {args.tokens}-token streams, {args.batch} events per upstream write, {args.rounds} "
-          f"closed-loop rounds per level; events per stream = tokens + {EXTRA_EVENTS} (role, finish, usage, DONE)")
+          f"closed-loop rounds per level, the relays' rounds in turn (the median round shown); "
+          f"events per stream = tokens + {EXTRA_EVENTS} (role, finish, usage, DONE)")
     head = f"{'streams':>7} {'direct tok/s':>12}"
     for name in relays:
         head += f" {name + ' tok/s':>12} {'ratio':>6} {name + ' us/event':>15} {'+TTFT p50/p99 ms':>17}"
@@ -440,16 +441,27 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
     for concurrency in levels:
         rate, direct_ttft, _ = asyncio.run(level(setup.urls["direct"], concurrency, args.rounds, args.tokens, unpaced))
         line = f"{concurrency:>7} {rate:>12,.0f}"
+        rates: dict[str, list[float]] = {name: [] for name in relays}
+        costs: dict[str, list[float]] = {name: [] for name in relays}
+        ttfts: dict[str, list[float]] = {name: [] for name in relays}
+        for round_ in range(args.rounds):  # the relays in turn, as the paced rounds: a drift hits all alike
+            for name in relays[round_ % len(relays):] + relays[:round_ % len(relays)]:
+                before = cpu_seconds(setup.processes[name].pid)
+                relayed, samples, streams = asyncio.run(level(setup.urls[name], concurrency, 1, args.tokens, unpaced))
+                used = cpu_seconds(setup.processes[name].pid) - before
+                events = streams * EXTRA_EVENTS + concurrency * args.tokens + concurrency  # (the warm-up's 1 token)
+                rates[name].append(relayed)
+                costs[name].append(used / events * 1e6)
+                ttfts[name] += samples
         for name in relays:
-            before = cpu_seconds(setup.processes[name].pid)
-            relayed, ttfts, streams = asyncio.run(level(setup.urls[name], concurrency, args.rounds, args.tokens,
-                                                        unpaced))
-            used = cpu_seconds(setup.processes[name].pid) - before
-            events = streams * EXTRA_EVENTS + concurrency * args.rounds * args.tokens + concurrency
-            p50, p99 = added_ms(direct_ttft, ttfts)
-            line += (f" {relayed:>12,.0f} {relayed / rate:>6.3f} {used / events * 1e6:>15.2f}"
+            p50, p99 = added_ms(direct_ttft, ttfts[name])
+            relayed = statistics.median(rates[name])
+            line += (f" {relayed:>12,.0f} {relayed / rate:>6.3f} {statistics.median(costs[name]):>15.2f}"
                      f" {f'{p50:.2f}/{p99:.2f}':>17}")
         print(line, flush=True)
+        if args.rounds > 1:
+            print(f"# {concurrency} unpaced streams, us/event per round: "
+                  + "; ".join(f"{name} {' '.join(f'{c:.2f}' for c in costs[name])}" for name in relays), flush=True)
     print(f"# paced: {args.paced_rounds} round(s) of {args.paced_tokens}-token streams, one event every "
           f"{args.token_interval * 1000:g} ms in a write of its own (as vLLM, llama.cpp and Ollama send), starts "
           "spread over a stream's length, 4 streams per slot: the TTFT each relay adds under a steady load, and its "
