@@ -10,6 +10,7 @@ import contextlib
 import operator
 from collections.abc import Iterable
 
+import orjson
 import structlog
 
 from proxy.observers.hooks import Enricher, Observer, watches_starts
@@ -85,11 +86,14 @@ def note_failure(record: ResponseRecord, name: str, exc: Exception) -> None:
 def make_writable(record: ResponseRecord) -> None:
     """Every text field of a finished record writable in UTF-8, so that JSON, a metric label, a log
     line or a database can take it: one lone surrogate would otherwise break each of them, and the
-    history's writer, `/metrics` and the record's page with it. The usual record, all ASCII, is
-    looked at in a few C calls."""
+    history's writer, `/metrics` and the record's page with it. The usual record is looked at in
+    two C calls: orjson refuses text that UTF-8 cannot hold."""
     values = _text_values(record)
-    if "".join(filter(None, values)).isascii():
+    try:
+        orjson.dumps(values)
         return
+    except TypeError:
+        pass
     for name, value in zip(TEXT_FIELDS, values, strict=True):
         if value:
             fixed = utf8_text(value)
