@@ -258,7 +258,7 @@ class ResponseRecord:
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
 _record_values = operator.attrgetter(*_RECORD_FIELDS)  # every field in one C call
 RECORD_FIELDS = frozenset(_RECORD_FIELDS)
-# The fields that may hold text from outside the proxy (a client's body, a server's header or answer).
+# The text fields; some hold text from outside the proxy (a client's body, a server's header or answer).
 TEXT_FIELDS = tuple(f.name for f in fields(ResponseRecord) if f.type in ("str", "str | None"))
 
 

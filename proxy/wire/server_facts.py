@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from proxy.wire.dialects.base import as_int
+
 ServerKind = Literal["llamacpp", "vllm", "sglang", "ollama", "unknown"]
 _KIND_OF_SOURCE: dict[str, ServerKind] = {"llama.cpp": "llamacpp", "vLLM": "vllm", "SGLang": "sglang",
                                           "Ollama": "ollama"}
@@ -84,7 +86,8 @@ UNKNOWN_SERVER = ServerFacts("unknown")
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    number = as_int(value)
+    return number if number is not None and number > 0 else None
 
 
 def from_llamacpp_props(body: Any) -> ServerInfo | None:

@@ -528,3 +528,26 @@ async def test_a_lone_surrogate_from_a_client_or_a_server_never_stops_the_histor
     assert logged["odd"]["model"] == "?m" and "observer_errors" not in logged["odd"]
     assert not [line for line in served.lines() if line.get("level") in ("error", "warning")]
     assert "Traceback" not in served.log.read_text()
+
+
+async def test_numbers_no_json_can_write_back_pass_unchanged_and_never_a_500(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
+    """A body past orjson's size is read by the standard library's parser, which keeps integers of
+    any size, `NaN` and `Infinity`. `float()` of a 400-digit temperature raised, and the proxy
+    answered 500 without sending the request on: the request must go as it came, and the record
+    leave such numbers out."""
+    upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS, content_length=True))
+    huge = b"9" * 400
+    body = (b'{"model": "m", "seed": %b, "max_tokens": %b, "temperature": %b, "top_p": NaN, "n": Infinity, '
+            b'"messages": [{"role": "user", "content": "%b"}]}' % (huge, huge, huge, b"a" * 300_000))
+    proxy = await make_proxy(upstream.url)
+    async with client.post(proxy.proxy_url + "/v1/chat/completions", data=body,
+                           headers={**JSON_HEADERS, "X-Request-Id": "huge"}) as response:
+        assert response.status == 200 and await response.read() == openai_completion(3)
+    assert upstream.seen[-1].body == body
+    record = await record_for(proxy, "huge")
+    assert (record.seed, record.requested_max_tokens, record.temperature, record.n) == (None, None, None, None)
+    assert record.model == "m" and record.request_note is None and record.stop_reason == "eos"
+    async with client.get(proxy.admin_url + "/api/requests") as response:
+        assert response.status == 200
+        assert [r["request_id"] for r in orjson.loads(await response.read())["records"]] == ["huge"]

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.diagnosis.recorder import read_request
 from proxy.wire.dialects import REGISTRY, anthropic, dialect_named, ollama, openai, responses, route_of
+from proxy.wire.dialects.base import as_int, as_number
 from proxy.wire.events import (
     DONE,
     ONE_REASONING_TOKEN,
@@ -239,6 +240,32 @@ def test_no_dialect_raises_anything_but_value_errors_on_odd_shapes(name: str) ->
         events(odd)
     with pytest.raises(ValueError):
         events([1, 2])
+
+
+@pytest.mark.parametrize("name", ["openai", "ollama", "llamacpp", "anthropic", "responses"])
+def test_numbers_past_what_orjson_keeps_read_as_none_from_either_parser(name: str) -> None:
+    """A body past orjson's size is read by the standard library's parser, which keeps integers of
+    any size, `NaN` and `Infinity`: none of them may reach a record (no JSON, log line or database
+    could take it; `float()` of a big integer raised and the proxy answered 500)."""
+    huge = "9" * 40
+    text = (f'{{"model": "m", "seed": {huge}, "max_tokens": {huge}, "max_completion_tokens": {huge}, '
+            f'"temperature": Infinity, "n": {huge}, "truncate_prompt_tokens": -{huge}, "n_keep": {huge}, '
+            f'"num_predict": {huge}, "max_output_tokens": {huge}, '
+            f'"options": {{"num_ctx": {huge}, "seed": {huge}, "temperature": NaN, "num_predict": {huge}}}, '
+            f'"messages": [{{"role": "user", "content": "{"a" * 300_000}"}}]}}')
+    info = read_request(dialect_named(name), text.encode())
+    assert info.body_parsed and info.body_note is None and info.model == "m"
+    assert (info.seed, info.requested_max_tokens, info.temperature, info.n, info.num_ctx, info.truncate_prompt_tokens,
+            info.n_keep) == (None,) * 7
+    assert [as_int(n) for n in (2**64 - 1, 2**64, -(2**63), -(2**63) - 1)] == [2**64 - 1, None, -(2**63), None]
+    assert [as_number(n) for n in (float("nan"), float("-inf"), 10**400, 3)] == [None, None, None, 3.0]
+    usage = {"prompt_tokens": 5, "completion_tokens": 10**40, "input_tokens": 5, "output_tokens": 10**40,
+             "prompt_eval_count": 5, "eval_count": 10**40, "tokens_evaluated": 5, "tokens_predicted": 10**40}
+    counts = [event for obj in ({"usage": usage, "choices": []}, {"done": True, "stop": True, **usage},
+                                {"type": "message_delta", "usage": usage},
+                                {"type": "response.completed", "response": {"status": "completed", "usage": usage}})
+              for event in dialect_named(name).events(obj) if isinstance(event, Usage)]
+    assert counts and all((u.prompt_tokens, u.completion_tokens) == (5, None) for u in counts), counts
 
 
 def test_token_deltas_are_shared_instances() -> None:

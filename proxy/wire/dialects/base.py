@@ -6,6 +6,7 @@ A dialect module holds one wire format whole and ends with one `Dialect` value; 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,13 +40,26 @@ class Dialect:
     streams_by_default: bool = False
 
 
+# The integers JSON gives as integers alike whichever parser read it: orjson (a body under its size)
+# turns the others into floats, and writes no other integer back; the standard library's parser (a
+# bigger body) keeps any integer. One client's `"seed": 1e40` written as digits must not become a
+# record that no JSON, log line or database can take.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+
+
 def as_int(value: Any) -> int | None:
-    """A JSON integer (not a bool), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A JSON integer (not a bool) that orjson keeps as one, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and INT_MIN <= value <= INT_MAX:
+        return value
+    return None
 
 
 def as_number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """A finite JSON number (not a bool), else None (the standard library's parser reads `NaN`,
+    `Infinity` and integers past any float)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, int) and not isinstance(value, bool) and INT_MIN <= value <= INT_MAX:
         return float(value)
     return None
 
