@@ -67,7 +67,7 @@ class _StreamParser:
     __slots__ = ("_framed", "_interpret", "_max_line", "_one_ready", "_overlong", "_plain")
     streaming = True
     SEPARATOR = b"\n"  # what ends one payload: a line (NDJSON), a blank line (SSE)
-    OPENING = b""  # what opens a payload that is a read of its own (`_one`)
+    OPENING = b""  # what opens a payload that is a read of its own (`_one`, `plain_reads`)
 
     def __init__(self, interpret: Interpret, max_line: int, plain: PlainTokens | None) -> None:
         self._interpret = interpret
@@ -92,7 +92,14 @@ class _StreamParser:
     def _one(self, chunk: bytes) -> list[Event] | None:
         """The events of a read that is one whole payload the learned shapes count, exactly as the
         longer way gives them (a clean decoder, no CR, within the line limit); else None."""
-        raise NotImplementedError
+        opening, separator = self.OPENING, self.SEPARATOR
+        if not chunk.startswith(opening) or not chunk.endswith(separator):
+            return None
+        if len(chunk) - len(separator) > self._max_line:
+            return None
+        assert self._plain is not None
+        found = self._plain.count(chunk[len(opening):-len(separator)])  # a counted payload holds no CR or LF
+        return None if found == NOT_PLAIN else EVENTS[found]
 
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
         """How many of `reads`, from `start` on, are each one whole event of one visible token in
@@ -225,15 +232,6 @@ class SseParser(_StreamParser):
     def _clean(self) -> bool:
         return self._decoder.clean
 
-    def _one(self, chunk: bytes) -> list[Event] | None:
-        if not chunk.startswith(b"data: ") or not chunk.endswith(b"\n\n"):
-            return None
-        if len(chunk) - 2 > self._max_line:
-            return None
-        assert self._plain is not None
-        found = self._plain.count(chunk[6:-2])  # a counted payload holds no CR or LF (PlainTokens)
-        return None if found == NOT_PLAIN else EVENTS[found]
-
     def _decode(self, chunk: bytes) -> list[Event]:
         payloads = self._decoder.feed(chunk)
         if self._decoder.overlong_lines != self._overlong:
@@ -331,15 +329,6 @@ class NdjsonParser(_StreamParser):
 
     def _clean(self) -> bool:
         return self._decoder.clean
-
-    def _one(self, chunk: bytes) -> list[Event] | None:
-        if not chunk.endswith(b"\n"):
-            return None
-        if len(chunk) - 1 > self._max_line:
-            return None
-        assert self._plain is not None
-        found = self._plain.count(chunk[:-1])  # a counted line holds no CR or LF (PlainTokens)
-        return None if found == NOT_PLAIN else EVENTS[found]
 
     def _decode(self, chunk: bytes) -> list[Event]:
         lines = self._decoder.feed(chunk)
