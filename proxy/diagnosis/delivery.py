@@ -2,10 +2,20 @@
 the order of the chain. The diagnosis is the record's one writer, so the facts and the notes of
 observers that failed are written here. An observer or enricher that raises never disturbs the
 traffic, nor the observers after it: its failure becomes a note in `observer_errors`.
+
+A live proxy hands its finished records to the observers in batches (`batch_s`): at one event per
+write a server's answers end one at a time, a few milliseconds apart, and the observers' code
+(metrics, the log line, the history's row) run once per record is out of the CPU's caches each
+time; run back to back for a batch, the whole proxy spent 4-11 % less CPU per event (64 streams at
+one event per write, `benchmarks/overhead.py`). The record is final
+before it waits (enrichers' facts, its text made writable); `flush()` delivers what waits at once,
+and whatever reads what the observers keep (the admin listener, the shutdown) calls it first, so
+nothing that was answered is missing from what is read. The wait is bounded in time and count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import operator
 from collections.abc import Iterable
@@ -18,19 +28,25 @@ from proxy.record import SERVER_FACTS, TEXT_FIELDS, ResponseRecord, ServerDuring
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
+MAX_WAITING = 256  # records waiting for a batch: more, and the batch goes at once
 _text_values = operator.attrgetter(*TEXT_FIELDS)
 
 
 class Delivery:
     """Hands records to a chain: enrichers, then observers, each in its order."""
 
-    __slots__ = ("_enrichers", "_finishes", "_starts")
+    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_starts", "_timer", "_waiting")
 
-    def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = ()) -> None:
+    def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = (), *,
+                 batch_s: float = 0.0) -> None:
+        """`batch_s`: the longest a finished record waits for its batch (0: delivered at once)."""
         chain = list(observers)
         self._enrichers = [(type(e).__name__, e) for e in enrichers]
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
         self._finishes = [(type(o).__name__, o) for o in chain]
+        self._batch_s = batch_s
+        self._waiting: list[ResponseRecord] = []
+        self._timer: asyncio.TimerHandle | None = None
 
     def add(self, observer: Observer) -> None:
         """One more observer, last in the chain."""
@@ -56,6 +72,30 @@ class Delivery:
             if facts:
                 write_facts(record, facts)
         make_writable(record)  # a client's lone surrogate must not break the JSON, labels and rows below
+        if self._batch_s:
+            waiting = self._waiting
+            waiting.append(record)
+            if len(waiting) >= MAX_WAITING:
+                self.flush()
+            elif self._timer is None:
+                try:
+                    self._timer = asyncio.get_running_loop().call_later(self._batch_s, self.flush)
+                except RuntimeError:  # no loop runs (a tool's own use): nothing would flush it later
+                    self.flush()
+            return
+        self._observe(record)
+
+    def flush(self) -> None:
+        """Deliver the records waiting for their batch, in the order they finished."""
+        while self._waiting:  # (an observer may finish another record meanwhile: it goes too)
+            waiting, self._waiting = self._waiting, []
+            for record in waiting:
+                self._observe(record)
+        if self._timer is not None:  # nothing waits now
+            self._timer.cancel()
+            self._timer = None
+
+    def _observe(self, record: ResponseRecord) -> None:
         compact_once.delivering(record)  # its fields are final now: one compact dict for all observers
         try:
             for name, observer in self._finishes:

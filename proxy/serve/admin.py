@@ -219,9 +219,18 @@ def allowed_host(host: str, names: frozenset[str]) -> bool:
 def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
                     ready: Callable[[], bool] = lambda: True, history: History | None = None,
                     allowed_hosts: frozenset[str] = frozenset(),
-                    readers: AdminReaders | None = None, instance: str | None = None) -> web.Application:
+                    readers: AdminReaders | None = None, instance: str | None = None,
+                    before_read: Callable[[], None] | None = None) -> web.Application:
+    """`before_read`: called before each answer (the records waiting for their batch delivered, so
+    that the metrics, the records and the history hold every answer that has ended)."""
     sessions = Sessions(token) if token else None
     readers = readers or AdminReaders()
+
+    @web.middleware
+    async def delivered(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if before_read is not None:
+            before_read()
+        return await handler(request)
 
     @web.middleware
     async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -392,7 +401,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
     async def close_reader(app: web.Application) -> None:
         await readers.close()
 
-    app = web.Application(middlewares=[check_host, require_token])
+    app = web.Application(middlewares=[delivered, check_host, require_token])
     app.on_cleanup.append(close_reader)
     app.on_response_prepare.append(no_server_version)
     app.router.add_get("/", page)

@@ -43,13 +43,15 @@ _log = structlog.get_logger("llm_diag_proxy")
 
 @dataclass
 class RunningProxy:
-    """A started proxy: its two listeners, its record store and metrics."""
+    """A started proxy: its two listeners, its record store and metrics (read through `store`,
+    `metrics` and `history`, every finished record is in them: those waiting for their batch are
+    delivered first)."""
 
     config: ProxyConfig
     proxy_url: str
     admin_url: str
-    store: RecordStore
-    metrics: ProxyMetrics
+    _store: RecordStore
+    _metrics: ProxyMetrics
     concurrency: InFlightTracker
     observers: Delivery
     forwarder: Forwarder
@@ -57,11 +59,26 @@ class RunningProxy:
     _proxy_site: web.TCPSite | None = None
     _session: aiohttp.ClientSession | None = None
     _observing: Observing | None = None
-    history: History | None = None
+    _history: History | None = None
     tracer: Tracer | None = None
     check: ServerCheck | None = None
     readers: AdminReaders = field(default_factory=AdminReaders)
     _closed: bool = False
+
+    @property
+    def store(self) -> RecordStore:
+        self.observers.flush()
+        return self._store
+
+    @property
+    def metrics(self) -> ProxyMetrics:
+        self.observers.flush()
+        return self._metrics
+
+    @property
+    def history(self) -> History | None:
+        self.observers.flush()
+        return self._history
 
     @property
     def telemetry(self) -> Telemetry:
@@ -113,7 +130,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
     readers = AdminReaders()
     admin_app = observing.admin(config, session, ready=lambda: not forwarder.shutting_down, readers=readers)
     running = RunningProxy(config, "", "", observing.store, metrics, concurrency, chain, forwarder,
-                           _observing=observing, _session=session, history=observing.history,
+                           _observing=observing, _session=session, _history=observing.history,
                            tracer=observing.tracer, check=check, readers=readers)
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -235,3 +237,34 @@ async def test_records_filter_by_cause_and_outcome_as_the_dashboard_links_ask(
     for bad in ("cause=length", "outcome=truncated"):
         async with client.get(f"{proxy.admin_url}/api/requests?{bad}") as response:
             assert response.status == 400, bad
+
+
+async def test_an_answer_that_ended_is_in_what_the_admin_listener_answers_at_once(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    """Finished records reach the observers in batches (`Delivery.batch_s`); whatever the admin
+    listener answers comes after what waits is delivered: no answer that ended is missing."""
+    upstream.push(Script(openai_stream(3)), Script(openai_stream(3)))
+    for request_id in ("batch-0", "batch-1"):
+        async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": request_id}) as r:
+            await r.read()
+    assert proxy.observers._waiting  # the batch's wait has not passed: the request below flushes it
+    async with client.get(proxy.admin_url + "/api/requests/batch-1") as response:
+        assert response.status == 200 and orjson.loads(await response.read())["stop_reason"] == "eos"
+    async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": "batch-2"}) as r:
+        await r.read()
+    text = await metrics_text(client, proxy)
+    counted = sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                  if s.name == "llm_proxy_requests_total")
+    assert counted == 3
+
+
+async def test_records_waiting_for_their_batch_are_written_when_the_proxy_stops(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession, tmp_path: Path) -> None:
+    upstream.push(Script(openai_stream(3)))
+    proxy = await make_proxy(upstream.url, history_path=str(tmp_path / "history.sqlite3"))
+    async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": "last"}) as r:
+        await r.read()
+    assert proxy.observers._waiting
+    await proxy.shutdown(1.0)
+    with sqlite3.connect(tmp_path / "history.sqlite3") as db:
+        assert db.execute("SELECT request_id FROM records").fetchall() == [("last",)]

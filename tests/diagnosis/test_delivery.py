@@ -1,0 +1,131 @@
+"""Delivery in batches: a finished record is final before it waits, waits at most `batch_s` (or
+until MAX_WAITING wait with it), reaches every observer in the order records finished, and is
+never missing from what is read through `flush()`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy.diagnosis import delivery as delivery_module
+from proxy.diagnosis.delivery import MAX_WAITING, Delivery
+from proxy.observers.hooks import Enricher, Observer
+from proxy.record import ResponseRecord, ServerDuring
+
+
+def _record(request_id: str) -> ResponseRecord:
+    return ResponseRecord(request_id=request_id, method="POST", path="/v1/chat/completions", route="chat",
+                          dialect="openai", started_at=0.0)
+
+
+class Seen(Observer):
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def on_response(self, record: ResponseRecord) -> None:
+        self.ids.append(record.request_id)
+
+
+class Failing(Observer):
+    def on_response(self, record: ResponseRecord) -> None:
+        raise RuntimeError("observer broke")
+
+
+class Facts(Enricher):
+    """The facts of the moment the record finished: a later read would see other ones."""
+
+    def __init__(self) -> None:
+        self.now = 1.0
+
+    def facts_for(self, record: ResponseRecord) -> ServerDuring:
+        return {"upstream_running_max": self.now}
+
+
+async def test_a_record_waits_for_its_batch_then_reaches_every_observer_in_order() -> None:
+    seen, later = Seen(), Seen()
+    chain = Delivery([seen, later], batch_s=0.05)
+    for i in range(3):
+        chain.response_finished(_record(f"r{i}"))
+    assert seen.ids == [] and later.ids == []
+    await asyncio.sleep(0.1)
+    assert seen.ids == later.ids == ["r0", "r1", "r2"]
+    chain.response_finished(_record("r3"))  # a new batch, a new timer
+    await asyncio.sleep(0.1)
+    assert seen.ids == ["r0", "r1", "r2", "r3"]
+
+
+async def test_flush_delivers_what_waits_at_once_and_only_once() -> None:
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+    chain.response_finished(_record("a"))
+    chain.response_finished(_record("b"))
+    chain.flush()
+    assert seen.ids == ["a", "b"]
+    chain.flush()
+    await asyncio.sleep(0)
+    assert seen.ids == ["a", "b"]
+
+
+async def test_a_full_batch_goes_at_once() -> None:
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+    for i in range(MAX_WAITING - 1):
+        chain.response_finished(_record(str(i)))
+    assert seen.ids == []
+    chain.response_finished(_record("last"))
+    assert len(seen.ids) == MAX_WAITING and seen.ids[-1] == "last"
+
+
+def test_outside_an_event_loop_a_record_is_delivered_at_once() -> None:
+    seen = Seen()
+    Delivery([seen], batch_s=10.0).response_finished(_record("alone"))
+    assert seen.ids == ["alone"]
+
+
+def test_without_a_batch_a_record_is_delivered_at_once() -> None:
+    seen = Seen()
+    Delivery([seen]).response_finished(_record("now"))
+    assert seen.ids == ["now"]
+
+
+async def test_the_record_is_final_before_it_waits() -> None:
+    """The enrichers' facts are those of the moment it finished, and its text is writable, even
+    when the batch goes later."""
+    facts, seen = Facts(), Seen()
+    chain = Delivery([seen], enrichers=[facts], batch_s=10.0)
+    record = _record("r")
+    record.model = "m\ud800"
+    chain.response_finished(record)
+    facts.now = 99.0
+    chain.flush()
+    assert record.upstream_running_max == 1.0
+    assert record.model == "m?"
+
+
+async def test_an_observer_that_fails_in_a_batch_stops_neither_the_others_nor_the_batch() -> None:
+    seen = Seen()
+    chain = Delivery([Failing(), seen], batch_s=10.0)
+    records = [_record("a"), _record("b")]
+    for record in records:
+        chain.response_finished(record)
+    chain.flush()
+    assert seen.ids == ["a", "b"]
+    assert all(record.observer_errors == ["Failing: RuntimeError: observer broke"] for record in records)
+
+
+async def test_a_record_finished_by_an_observer_during_a_batch_goes_with_it() -> None:
+    seen = Seen()
+
+    class Chaining(Observer):
+        def on_response(self, record: ResponseRecord) -> None:
+            if record.request_id == "first":
+                chain.response_finished(_record("second"))
+
+    chain = Delivery([Chaining(), seen], batch_s=10.0)
+    chain.response_finished(_record("first"))
+    chain.flush()
+    assert seen.ids == ["first", "second"]
+    assert chain._timer is None and not chain._waiting
+
+
+def test_the_bound_on_waiting_records_is_a_constant_of_the_module() -> None:
+    assert delivery_module.MAX_WAITING == 256
