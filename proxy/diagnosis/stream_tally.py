@@ -12,11 +12,13 @@ _ONE_TOKEN = EVENTS[VISIBLE]  # the parsers' answer for a read of one plain toke
 ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, only mean and max
 # A stream's reads are parsed in runs of this many (or bytes), not one by one as they pass: at one
 # event per read a server's reads come tens of milliseconds apart, and each parse alone runs cold
-# (its code and data out of the CPU's caches). In a run they cost a third. Nothing reads the tally
-# before the body ends (`close` parses what is left), and every read keeps its own arrival time,
-# so the record is the one a read-by-read parse makes.
-RUN_READS = 16
-RUN_BYTES = 64 * 1024
+# (its code and data out of the CPU's caches). In a run they cost a third; runs of 64 reads cost
+# about 5 % less per event than runs of 16 at one event per read (`benchmarks/overhead.py`, 64
+# paced streams). Nothing reads the tally before the body ends (`close` parses what is left), and
+# every read keeps its own arrival time, so the record is the one a read-by-read parse makes. What
+# a stream holds unparsed is bounded by RUN_BYTES (a run of 64 one-token events is about 13 KiB).
+RUN_READS = 64
+RUN_BYTES = 16 * 1024
 
 
 class StreamTally:
