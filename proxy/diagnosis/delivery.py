@@ -11,6 +11,10 @@ one event per write, `benchmarks/overhead.py`). The record is final
 before it waits (enrichers' facts, its text made writable); `flush()` delivers what waits at once,
 and whatever reads what the observers keep (the admin listener, the shutdown) calls it first, so
 nothing that was answered is missing from what is read. The wait is bounded in time and count.
+
+The relay's finishing of a streamed answer (the last reads parsed, the record classified) can wait
+with the batch too (`later`): its inputs are fixed when the exchange ends, so the record is the
+one it would have been at once, and its code runs warm with the others.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import orjson
 import structlog
@@ -45,7 +49,7 @@ class Delivery:
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
         self._finishes = [(type(o).__name__, o) for o in chain]
         self._batch_s = batch_s
-        self._waiting: list[ResponseRecord] = []
+        self._waiting: list[ResponseRecord | Callable[[], None]] = []  # records, and work that makes them
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, observer: Observer) -> None:
@@ -73,24 +77,37 @@ class Delivery:
                 write_facts(record, facts)
         make_writable(record)  # a client's lone surrogate must not break the JSON, labels and rows below
         if self._batch_s:
-            waiting = self._waiting
-            waiting.append(record)
-            if len(waiting) >= MAX_WAITING:
-                self.flush()
-            elif self._timer is None:
-                try:
-                    self._timer = asyncio.get_running_loop().call_later(self._batch_s, self.flush)
-                except RuntimeError:  # no loop runs (a tool's own use): nothing would flush it later
-                    self.flush()
+            self._wait(record)
             return
         self._observe(record)
 
+    def later(self, finish: Callable[[], None]) -> None:
+        """`finish` (which ends in `response_finished`) run with the batch, or now without one."""
+        if self._batch_s:
+            self._wait(finish)
+            return
+        self._run(finish)
+
+    def _wait(self, item: ResponseRecord | Callable[[], None]) -> None:
+        waiting = self._waiting
+        waiting.append(item)
+        if len(waiting) >= MAX_WAITING:
+            self.flush()
+        elif self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self._batch_s, self.flush)
+            except RuntimeError:  # no loop runs (a tool's own use): nothing would flush it later
+                self.flush()
+
     def flush(self) -> None:
         """Deliver the records waiting for their batch, in the order they finished."""
-        while self._waiting:  # (an observer may finish another record meanwhile: it goes too)
+        while self._waiting:  # (a finish, or an observer, may add to it meanwhile: that goes too)
             waiting, self._waiting = self._waiting, []
-            for record in waiting:
-                self._observe(record)
+            for item in waiting:
+                if isinstance(item, ResponseRecord):
+                    self._observe(item)
+                else:
+                    self._run(item)
         if self._timer is not None:  # nothing waits now
             self._timer.cancel()
             self._timer = None
@@ -105,6 +122,15 @@ class Delivery:
                     note_failure(record, name, exc)
         finally:
             compact_once.delivering(None)
+
+
+    @staticmethod
+    def _run(finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except Exception as exc:  # a diagnosis bug: that record is lost, said once here, the rest go on
+            with contextlib.suppress(OSError, ValueError):
+                _log.error("record_failed", error=repr(exc)[:300])
 
 
 def write_facts(record: ResponseRecord, facts: ServerDuring) -> None:

@@ -181,10 +181,23 @@ class Recorder:
         return self.tally.feed
 
     def body_ended(self, now: float) -> None:
-        """No more body bytes: the end, a break or a cut (idempotent)."""
+        """No more body bytes: the end, a break or a cut (idempotent); what the tally holds is
+        parsed now."""
+        self.body_stopped(now)
+        self.tally.close(self._ended_at)  # type: ignore[arg-type]
+
+    def body_stopped(self, now: float) -> None:
+        """No more body bytes from `now` on (idempotent); what the tally still holds is parsed by
+        `finish` (the relay's way: its finish runs with a batch, see `proxy.diagnosis.delivery`)."""
         if self._ended_at is None:
             self._ended_at = now
-            self.tally.close(now)
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes a finished exchange's recorder still holds until `finish`: the request body
+        (for the server's tokenizer) and the reads not parsed yet."""
+        body = self._request_body
+        return (0 if body is None else len(body)) + self.tally.pending_bytes
 
     # --- how it ended ---------------------------------------------------------------------
     def no_answer(self, error: UpstreamErrorKind, detail: str, status: int | None = None) -> None:

@@ -31,7 +31,7 @@ class StreamTally:
     """
 
     __slots__ = (
-        "bytes_out", "done", "error", "finish", "first_token_at", "gap_count", "gap_max", "gap_sum", "gaps",
+        "bytes_out", "closed", "done", "error", "finish", "first_token_at", "gap_count", "gap_max", "gap_sum", "gaps",
         "last_token_at", "parse_error", "parse_errors", "parser", "pending", "pending_bytes", "reasoning", "runs",
         "timings", "tokens", "usage",
     )
@@ -55,6 +55,7 @@ class StreamTally:
         self.timings: ServerTimings | None = None
         self.error: ErrorEvent | None = None
         self.done = False
+        self.closed = False
         self.parse_errors = 0
         self.parse_error: str | None = None
 
@@ -107,6 +108,10 @@ class StreamTally:
             self._apply(events, now)
 
     def close(self, now: float) -> None:
+        """The body ended at `now`: what is left is parsed (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.pending:
             self._parse_pending()
         parser = self.parser

@@ -15,6 +15,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -45,7 +46,7 @@ from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
 from proxy.wire.byte_budget import ByteBudget
-from proxy.wire.server_facts import UNKNOWN_SERVER
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
 
 _log = structlog.get_logger("llm_diag_proxy")
 REQUEST_ID = "X-Request-Id"
@@ -53,6 +54,9 @@ CONCURRENCY = "X-LLM-Diag-Concurrency"
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# A finished exchange waits for its batch only while its recorder holds at most this (its request
+# body and unparsed reads): with `delivery.MAX_WAITING`, what the waiting finishes hold is bounded.
+DEFERRED_MAX_BYTES = 64 * 1024
 
 
 class _FreshIds:
@@ -427,20 +431,32 @@ class _Exchange:
         if not recorder.client_gone and not self.closed_by_us and self._client_connection_lost():
             recorder.client_left()
         self._notify_start()
-        recorder.body_ended(time.monotonic())
+        recorder.body_stopped(time.monotonic())
         ended = recorder.ended_at
         assert ended is not None
         passed = self.deadlines.passed(ended, self.max_gap)
         if passed is not None:
             recorder.deadline_observed(passed)
-        check = self.check
-        if check is None:
-            self.observers.response_finished(recorder.finish(server=UNKNOWN_SERVER))
-            return
-        record = recorder.finish(server=check.facts)
-        check.probe.saw_model(record.model)
-        check.finished(record, recorder.tokenizer_query(), self.request.headers.get("Authorization"))
+        # What the record is made of is fixed now: a streamed answer holding little is finished with
+        # the batch of records (`Delivery.later`), any other at once (its body under the parse budget).
+        finish = partial(_finish, recorder, self.observers, self.check,
+                         None if self.check is None else self.check.facts, self.request.headers.get("Authorization"))
+        if recorder.tally.streaming and recorder.held_bytes <= DEFERRED_MAX_BYTES:
+            self.observers.later(finish)
+        else:
+            finish()
 
     def _client_connection_lost(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
+
+
+def _finish(recorder: Recorder, observers: Delivery, check: ServerCheck | None, facts: ServerFacts | None,
+            authorization: str | None) -> None:
+    """Classify and hand on a finished exchange's record (`facts`: the server's, when it ended)."""
+    if check is None or facts is None:
+        observers.response_finished(recorder.finish(server=UNKNOWN_SERVER))
+        return
+    record = recorder.finish(server=facts)
+    check.probe.saw_model(record.model)
+    check.finished(record, recorder.tokenizer_query(), authorization)

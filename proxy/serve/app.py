@@ -106,6 +106,7 @@ class RunningProxy:
         self.forwarder.end_active()
         for runner in self._runners:
             await runner.cleanup()
+        self.observers.flush()  # the handlers' last finishes, before the tokenizer's check closes
         if self.check is not None:  # after the handlers: their last records may wait on the tokenizer
             await self.check.close()
         if self._observing is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from structlog.testing import capture_logs
+
 from proxy.diagnosis import delivery as delivery_module
 from proxy.diagnosis.delivery import MAX_WAITING, Delivery
 from proxy.observers.hooks import Enricher, Observer
@@ -129,3 +131,43 @@ async def test_a_record_finished_by_an_observer_during_a_batch_goes_with_it() ->
 
 def test_the_bound_on_waiting_records_is_a_constant_of_the_module() -> None:
     assert delivery_module.MAX_WAITING == 256
+
+
+async def test_a_finish_waits_with_the_batch_and_its_record_goes_in_the_same_flush() -> None:
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+    ran: list[str] = []
+
+    def finish() -> None:
+        ran.append("finish")
+        chain.response_finished(_record("late"))
+
+    chain.response_finished(_record("first"))
+    chain.later(finish)
+    assert ran == [] and seen.ids == []
+    chain.flush()
+    assert ran == ["finish"] and seen.ids == ["first", "late"]
+    assert chain._timer is None and not chain._waiting
+
+
+def test_without_a_batch_a_finish_runs_at_once() -> None:
+    seen = Seen()
+    chain = Delivery([seen])
+    chain.later(lambda: chain.response_finished(_record("now")))
+    assert seen.ids == ["now"]
+
+
+async def test_a_finish_that_raises_loses_its_record_only_and_says_so() -> None:
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+
+    def broken() -> None:
+        raise ValueError("a diagnosis bug")
+
+    chain.later(broken)
+    chain.response_finished(_record("after"))
+    with capture_logs() as logs:
+        chain.flush()
+    assert seen.ids == ["after"]
+    assert [(line["event"], line["log_level"]) for line in logs] == [("record_failed", "error")]
+    assert "a diagnosis bug" in logs[0]["error"]

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.record import ResponseRecord
 from proxy.serve.app import RunningProxy
 from tests.e2e.test_stop_reasons import CHAT, CHAT_URL
 from tests.support.proxies import ProxyFactory, record_for
@@ -268,3 +270,34 @@ async def test_records_waiting_for_their_batch_are_written_when_the_proxy_stops(
     await proxy.shutdown(1.0)
     with sqlite3.connect(tmp_path / "history.sqlite3") as db:
         assert db.execute("SELECT request_id FROM records").fetchall() == [("last",)]
+
+
+async def test_a_streamed_answer_is_finished_with_the_batch_into_the_record_it_makes_at_once(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay finishes a streamed answer that holds little with the batch (`Delivery.later`):
+    its record is the one finishing at once makes. A request body past DEFERRED_MAX_BYTES is
+    finished at once (what waits is bounded)."""
+    from proxy.relay import forward
+
+    proxy = await make_proxy(upstream.url)
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * forward.DEFERRED_MAX_BYTES}]}
+    finished: dict[str, dict[str, object]] = {}
+    for name, deferred_max in (("now", -1), ("batch", forward.DEFERRED_MAX_BYTES)):
+        monkeypatch.setattr(forward, "DEFERRED_MAX_BYTES", deferred_max)
+        for kind, body in (("small", CHAT), ("big", big)):
+            upstream.push(Script(openai_stream(40, "length"), delay=0.001))
+            async with client.post(proxy.proxy_url + CHAT_URL, json=body,
+                                   headers={"X-Request-Id": f"{name}-{kind}"}) as response:
+                await response.read()
+            waiting = list(proxy.observers._waiting)
+            deferred = any(not isinstance(item, ResponseRecord) for item in waiting)
+            assert deferred == (name == "batch" and kind == "small"), (name, kind)
+            record = (await record_for(proxy, f"{name}-{kind}")).to_dict()
+            for moving in ("request_id", "started_at", "duration_s", "ttft_s", "itl_mean_s", "itl_p95_s",
+                           "itl_max_s", "concurrency_mean"):
+                record.pop(moving)
+            finished[f"{name}-{kind}"] = record
+    assert finished["now-small"] == finished["batch-small"]
+    assert finished["now-big"] == finished["batch-big"]
+    assert finished["batch-small"]["output_tokens"] == 40 and finished["batch-small"]["cause"] == "server_limit"
