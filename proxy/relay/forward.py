@@ -360,12 +360,12 @@ class _Exchange:
                 recorder.proxy_shutdown()
             else:
                 recorder.deadline_enforced(fired)
-            recorder.body_ended(time.monotonic())
+            recorder.body_stopped(time.monotonic())
             await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
             return response
         except _BROKEN_UPSTREAM as exc:
             recorder.upstream_broke(f"upstream connection broke mid-body: {type(exc).__name__}: {exc}"[:300])
-            recorder.body_ended(time.monotonic())
+            recorder.body_stopped(time.monotonic())
             self._break_client_connection(response)
             return response
         except ConnectionError:
@@ -375,7 +375,7 @@ class _Exchange:
             return response
         finally:
             pump.detach()
-            recorder.body_ended(pump.ended_at or time.monotonic())
+            recorder.body_stopped(pump.ended_at or time.monotonic())
             self.max_gap = pump.max_gap
         try:
             if pump.relays_framing:
