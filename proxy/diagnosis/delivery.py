@@ -7,7 +7,9 @@ A live proxy hands its finished records to the observers in batches (`batch_s`):
 write a server's answers end one at a time, a few milliseconds apart, and the observers' code
 (metrics, the log line, the history's row) run once per record is out of the CPU's caches each
 time; run back to back for a batch, the whole proxy spent 4-11 % less CPU per event (64 streams at
-one event per write, `benchmarks/overhead.py`). The record is final
+one event per write, `benchmarks/overhead.py`). A batch is delivered in slices of at most
+SLICE_S (and one item), the relay's reads between them: the loop is never held longer than the
+finishing of one record was before. The record is final
 before it waits (enrichers' facts, its text made writable); `flush()` delivers what waits at once,
 and whatever reads what the observers keep (the admin listener, the shutdown) calls it first, so
 nothing that was answered is missing from what is read. The wait is bounded in time and count.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import orjson
@@ -32,7 +36,8 @@ from proxy.record import SERVER_FACTS, TEXT_FIELDS, ResponseRecord, ServerDuring
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
-MAX_WAITING = 256  # records waiting for a batch: more, and the batch goes at once
+MAX_WAITING = 256  # records waiting for a batch: past it, the oldest is delivered at once
+SLICE_S = 0.0005  # a batch is delivered in slices of this long, the loop's other work between them
 _text_values = operator.attrgetter(*TEXT_FIELDS)
 
 
@@ -49,8 +54,8 @@ class Delivery:
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
         self._finishes = [(type(o).__name__, o) for o in chain]
         self._batch_s = batch_s
-        self._waiting: list[ResponseRecord | Callable[[], None]] = []  # records, and work that makes them
-        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: deque[ResponseRecord | Callable[[], None]] = deque()  # records, and work making them
+        self._timer: asyncio.Handle | None = None
 
     def add(self, observer: Observer) -> None:
         """One more observer, last in the chain."""
@@ -91,26 +96,42 @@ class Delivery:
     def _wait(self, item: ResponseRecord | Callable[[], None]) -> None:
         waiting = self._waiting
         waiting.append(item)
-        if len(waiting) >= MAX_WAITING:
-            self.flush()
-        elif self._timer is None:
+        if self._timer is None:
             try:
-                self._timer = asyncio.get_running_loop().call_later(self._batch_s, self.flush)
-            except RuntimeError:  # no loop runs (a tool's own use): nothing would flush it later
+                self._timer = asyncio.get_running_loop().call_later(self._batch_s, self._turn)
+            except RuntimeError:  # no loop runs (a tool's own use): nothing would deliver it later
                 self.flush()
+                return
+        while len(waiting) > MAX_WAITING:  # more finish than the turns deliver: the oldest goes now
+            self._one(waiting.popleft())
 
     def flush(self) -> None:
-        """Deliver the records waiting for their batch, in the order they finished."""
-        while self._waiting:  # (a finish, or an observer, may add to it meanwhile: that goes too)
-            waiting, self._waiting = self._waiting, []
-            for item in waiting:
-                if isinstance(item, ResponseRecord):
-                    self._observe(item)
-                else:
-                    self._run(item)
-        if self._timer is not None:  # nothing waits now
+        """Deliver everything waiting, now, in the order it finished."""
+        self._deliver(None)
+
+    def _turn(self) -> None:
+        """The batch's time has come: a slice of it, then the loop's other work (the relay's reads),
+        then the next slice."""
+        self._timer = None
+        self._deliver(time.monotonic() + SLICE_S)
+
+    def _deliver(self, until: float | None) -> None:
+        waiting = self._waiting
+        while waiting:  # (a finish, or an observer, may add to it meanwhile: that goes too)
+            self._one(waiting.popleft())
+            if until is not None and time.monotonic() >= until:
+                break
+        if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if waiting:
+            self._timer = asyncio.get_running_loop().call_soon(self._turn)
+
+    def _one(self, item: ResponseRecord | Callable[[], None]) -> None:
+        if isinstance(item, ResponseRecord):
+            self._observe(item)
+        else:
+            self._run(item)
 
     def _observe(self, record: ResponseRecord) -> None:
         compact_once.delivering(record)  # its fields are final now: one compact dict for all observers

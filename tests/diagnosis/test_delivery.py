@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from structlog.testing import capture_logs
 
 from proxy.diagnosis import delivery as delivery_module
@@ -67,14 +68,33 @@ async def test_flush_delivers_what_waits_at_once_and_only_once() -> None:
     assert seen.ids == ["a", "b"]
 
 
-async def test_a_full_batch_goes_at_once() -> None:
+async def test_past_the_bound_the_oldest_record_goes_at_once() -> None:
     seen = Seen()
     chain = Delivery([seen], batch_s=10.0)
-    for i in range(MAX_WAITING - 1):
+    for i in range(MAX_WAITING):
         chain.response_finished(_record(str(i)))
     assert seen.ids == []
-    chain.response_finished(_record("last"))
-    assert len(seen.ids) == MAX_WAITING and seen.ids[-1] == "last"
+    chain.response_finished(_record("one more"))
+    chain.response_finished(_record("and another"))
+    assert seen.ids == ["0", "1"] and len(chain._waiting) == MAX_WAITING
+    chain.flush()
+    assert seen.ids[-1] == "and another" and len(seen.ids) == MAX_WAITING + 2
+
+
+async def test_a_batch_goes_in_slices_with_the_loops_other_work_between(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop is never held for a whole batch: past SLICE_S, the rest goes on the next turn."""
+    monkeypatch.setattr(delivery_module, "SLICE_S", 0.0)  # one record per turn
+    seen = Seen()
+    chain = Delivery([seen], batch_s=0.01)
+    for i in range(3):
+        chain.response_finished(_record(str(i)))
+    between: list[list[str]] = []  # what was delivered, seen from each turn of other work
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(seen.ids) < 3 and asyncio.get_running_loop().time() < deadline:
+        between.append(list(seen.ids))
+        await asyncio.sleep(0)
+    assert seen.ids == ["0", "1", "2"]
+    assert ["0"] in between and ["0", "1"] in between and chain._timer is None
 
 
 def test_outside_an_event_loop_a_record_is_delivered_at_once() -> None:
