@@ -8,11 +8,11 @@ write a server's answers end one at a time, a few milliseconds apart, and the ob
 (metrics, the log line, the history's row) run once per record is out of the CPU's caches each
 time; run back to back for a batch, the whole proxy spent 4-11 % less CPU per event (64 streams at
 one event per write, `benchmarks/overhead.py`). A batch is delivered in slices of at most
-SLICE_S (and one item), the relay's reads between them: the loop is never held longer than the
-finishing of one record was before. The record is final
-before it waits (enrichers' facts, its text made writable); `flush()` delivers what waits at once,
-and whatever reads what the observers keep (the admin listener, the shutdown) calls it first, so
-nothing that was answered is missing from what is read. The wait is bounded in time and count.
+SLICE_S (and one item), the relay's reads between them: the loop is never held much longer than
+the finishing of one record held it before. The record is final before it waits (enrichers'
+facts, its text made writable); `flush()` delivers what waits at once, and whatever reads what the
+observers keep (the admin listener, the shutdown) calls it first, so nothing that was answered is
+missing from what is read. The wait is bounded in time and count.
 
 The relay's finishing of a streamed answer (the last reads parsed, the record classified) can wait
 with the batch too (`later`): its inputs are fixed when the exchange ends, so the record is the
@@ -44,7 +44,7 @@ _text_values = operator.attrgetter(*TEXT_FIELDS)
 class Delivery:
     """Hands records to a chain: enrichers, then observers, each in its order."""
 
-    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_starts", "_timer", "_waiting")
+    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_starts", "_timer", "_waiting")
 
     def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = (), *,
                  batch_s: float = 0.0) -> None:
@@ -56,6 +56,7 @@ class Delivery:
         self._batch_s = batch_s
         self._waiting: deque[ResponseRecord | Callable[[], None]] = deque()  # records, and work making them
         self._timer: asyncio.Handle | None = None
+        self._finishing = False  # a waiting finish runs: its record goes to the observers at once
 
     def add(self, observer: Observer) -> None:
         """One more observer, last in the chain."""
@@ -81,7 +82,7 @@ class Delivery:
             if facts:
                 write_facts(record, facts)
         make_writable(record)  # a client's lone surrogate must not break the JSON, labels and rows below
-        if self._batch_s:
+        if self._batch_s and not self._finishing:
             self._wait(record)
             return
         self._observe(record)
@@ -130,8 +131,12 @@ class Delivery:
     def _one(self, item: ResponseRecord | Callable[[], None]) -> None:
         if isinstance(item, ResponseRecord):
             self._observe(item)
-        else:
+            return
+        self._finishing = True  # (its record is not queued again: one item out is one record delivered)
+        try:
             self._run(item)
+        finally:
+            self._finishing = False
 
     def _observe(self, record: ResponseRecord) -> None:
         compact_once.delivering(record)  # its fields are final now: one compact dict for all observers
@@ -143,7 +148,6 @@ class Delivery:
                     note_failure(record, name, exc)
         finally:
             compact_once.delivering(None)
-
 
     @staticmethod
     def _run(finish: Callable[[], None]) -> None:

@@ -191,3 +191,20 @@ async def test_a_finish_that_raises_loses_its_record_only_and_says_so() -> None:
     assert seen.ids == ["after"]
     assert [(line["event"], line["log_level"]) for line in logs] == [("record_failed", "error")]
     assert "a diagnosis bug" in logs[0]["error"]
+
+
+async def test_past_the_bound_waiting_finishes_go_one_for_one_without_recursion() -> None:
+    """A full queue of finishes (overload): each new one delivers the oldest, whose record goes to
+    the observers at once, not to the queue's end (no growth, no nesting)."""
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+
+    def finish(i: int) -> None:
+        chain.response_finished(_record(f"f{i}"))
+
+    for i in range(MAX_WAITING * 8):
+        chain.later(lambda i=i: finish(i))
+        assert len(chain._waiting) <= MAX_WAITING
+    assert seen.ids == [f"f{i}" for i in range(MAX_WAITING * 7)]
+    chain.flush()
+    assert seen.ids == [f"f{i}" for i in range(MAX_WAITING * 8)]
