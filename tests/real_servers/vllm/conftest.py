@@ -7,6 +7,7 @@ with EOS after EOS_AFTER tokens, on a KV cache of 24 blocks of 32 tokens and a 5
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -72,6 +73,10 @@ async def proxy_for() -> AsyncIterator[Any]:
                              upstream_metrics="vllm", upstream_metrics_interval_s=0.1, log_records=False)
         running = await start_proxy(replace(config, **overrides))
         started.append(running)
+        # As a deployed proxy has long done: its first look at the server has answered (a request
+        # that ends before it is classified without the server's facts, prompt_truncated None).
+        if running.check is not None and running.check.probe.enabled:
+            await asyncio.wait_for(running.check.probe.asked.wait(), 60)
         return running
 
     yield start
