@@ -193,9 +193,11 @@ async def drive_load(proxy_url: str, ollama_proxy_url: str) -> None:
             for round_ in range(2):
                 await asyncio.gather(*(answer(seed=phase * 100 + round_ * 10 + n) for n in range(8)),
                                      *(ollama_answer(seed=phase * 100 + n) for n in range(2)))
+            # Three out-of-memory errors at once, after the same two tokens: a series of cut answers
+            # that Prometheus first sees at 3, whatever the clamp cut in the rounds before.
             await asyncio.gather(answer("status=429"), answer("status=500"),
-                                 answer("error_after=2:CUDA out of memory"), answer("stall_after=2:1"),
-                                 walk_away(), answer(seed=99))
+                                 *(answer("error_after=2:CUDA out of memory", seed=n) for n in range(3)),
+                                 answer("stall_after=2:1"), walk_away(), answer(seed=99))
             await asyncio.sleep(1.5)
 
 
