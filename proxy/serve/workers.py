@@ -83,6 +83,9 @@ class WorkerArgs:
 class RecordSender(Observer):
     """The worker's one observer: each finished record, and each refused request, to the supervisor.
 
+    The messages of one turn of the loop go in one write (the worker's records come in batches, as a
+    single process's do): one wake-up and one read of the supervisor for the batch, not one each.
+
     It keeps its ledger in shared memory, written by this worker alone: the exchanges begun whose
     record is not written yet, and the records written to the pipe. When the worker dies, the
     supervisor counts every record the ledger shows it will never read."""
@@ -92,32 +95,43 @@ class RecordSender(Observer):
         self.lost = 0  # not yet reported
         self._ledger = ledger if ledger is not None else [0] * (2 * (owner + 1))
         self._pending, self._written = 2 * owner, 2 * owner + 1
+        self._frames: list[bytes] = []  # this turn's messages, written at its end
+        self._queued = 0  # their bytes
 
     def send(self, message: dict[str, Any]) -> None:
         transport = self._transport
-        if transport.is_closing() or transport.get_write_buffer_size() > SEND_BUFFER_MAX:
+        if transport.is_closing() or transport.get_write_buffer_size() + self._queued > SEND_BUFFER_MAX:
             self.lost += "record" in message
             return
         if self.lost:
             lost, self.lost = self.lost, 0
             self.send({"lost": lost})
         payload = orjson.dumps(message, default=str)
-        transport.write(FRAME.pack(len(payload)) + payload)
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self._write)
+        self._frames.append(FRAME.pack(len(payload)) + payload)
+        self._queued += FRAME.size + len(payload)
         if "record" in message:
             self._ledger[self._written] += 1
+
+    def _write(self) -> None:
+        frames, self._frames, self._queued = self._frames, [], 0
+        if frames and not self._transport.is_closing():  # (closing: counted written, never read: lost)
+            self._transport.write(b"".join(frames))
 
     def on_response_start(self, record: ResponseRecord) -> None:
         self._ledger[self._pending] += 1
 
     def on_response(self, record: ResponseRecord) -> None:
         self._ledger[self._pending] -= 1
-        self.send({"record": record.to_dict()})
+        self.send({"record": record.to_compact_dict()})  # (its None fields are the defaults put back)
 
     def refused(self, reason: str) -> None:
         self.send({"refused": reason})
 
     async def flush(self, timeout_s: float) -> None:
         """Wait until what was written reached the pipe (bounded), then close it."""
+        self._write()
         deadline = time.monotonic() + timeout_s
         while self._transport.get_write_buffer_size() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -145,7 +159,10 @@ async def _worker(args: WorkerArgs) -> None:
     tracker = InFlightTracker(counts=args.counts, owner=args.owner)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
     check = wiring.server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
-    forwarder = wiring.proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
+    # Records wait for their batch as in one process (`proxy.diagnosis.delivery`); the shutdown below
+    # delivers what waits before the server check closes, as `RunningProxy.close` does.
+    delivery = Delivery([sender], batch_s=wiring.DELIVERY_BATCH_S)
+    forwarder = wiring.proxy_application(config, delivery, tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
@@ -160,8 +177,10 @@ async def _worker(args: WorkerArgs) -> None:
     await wiring.drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
     forwarder.end_active()
     await runner.cleanup()
+    delivery.flush()
     await check.close()
     await forwarder.close()
+    delivery.flush()
     await sender.flush(wiring.END_WAIT_S)
 
 
@@ -312,7 +331,7 @@ class WorkerPool:
         elif "listening" in message:
             worker.url = str(message["listening"])
             worker.listening.set()
-        self._metrics.workers.set(self.alive)
+            self._metrics.workers.set(self.alive)  # (and when one exits: not per message, a wait4(2) each)
 
     def _exited(self, worker: Worker, process: Any) -> None:
         loop = asyncio.get_running_loop()
