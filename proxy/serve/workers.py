@@ -83,8 +83,8 @@ class WorkerArgs:
 class RecordSender(Observer):
     """The worker's one observer: each finished record, and each refused request, to the supervisor.
 
-    The messages of one turn of the loop go in one write (the worker's records come in batches, as a
-    single process's do): one wake-up and one read of the supervisor for the batch, not one each.
+    The messages of one turn of the loop go in one write: records of answers that ended together
+    cost the supervisor one wake-up and one read, not one each.
 
     It keeps its ledger in shared memory, written by this worker alone: the exchanges begun whose
     record is not written yet, and the records written to the pipe. When the worker dies, the
@@ -159,9 +159,10 @@ async def _worker(args: WorkerArgs) -> None:
     tracker = InFlightTracker(counts=args.counts, owner=args.owner)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
     check = wiring.server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
-    # Records wait for their batch as in one process (`proxy.diagnosis.delivery`); the shutdown below
-    # delivers what waits before the server check closes, as `RunningProxy.close` does.
-    delivery = Delivery([sender], batch_s=wiring.DELIVERY_BATCH_S)
+    # A worker's records go to the supervisor as they end, not in batches as one process delivers
+    # them: nothing here could deliver what waits when the supervisor's admin listener is read, and
+    # an answer that has ended must not be missing there for a tenth of a second.
+    delivery = Delivery([sender])
     forwarder = wiring.proxy_application(config, delivery, tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -177,10 +178,8 @@ async def _worker(args: WorkerArgs) -> None:
     await wiring.drain(forwarder, started + config.shutdown_grace_s, config.shutdown_grace_s)
     forwarder.end_active()
     await runner.cleanup()
-    delivery.flush()
     await check.close()
     await forwarder.close()
-    delivery.flush()
     await sender.flush(wiring.END_WAIT_S)
 
 
