@@ -305,6 +305,8 @@ compact_once = CompactOnce()
 
 def record_from_dict(data: dict[str, Any]) -> ResponseRecord:
     """A record back from `to_dict()` (a worker's, the admin API's JSON); derived keys are left out."""
+    if data.keys() <= RECORD_FIELDS:  # (a worker's record: nothing to leave out, found in one C call)
+        return ResponseRecord(**data)
     return ResponseRecord(**{k: v for k, v in data.items() if k in RECORD_FIELDS})
 _OUTCOME_OF: dict[str, str] = {
     **dict.fromkeys(("eos", "stop_sequence", "tool_calls"), "complete"), "requested_budget": "budget",

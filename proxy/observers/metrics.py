@@ -6,12 +6,16 @@ model names are capped (`max_models`, the rest reported as `other`).
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, disable_created_metrics
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from proxy.observers.hooks import Observer
 from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord, concurrency_bucket
@@ -27,6 +31,25 @@ NO_MODEL = "none"
 
 # A `_created` sample per series doubles /metrics for no use here (Prometheus reads resets itself).
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+class Histogram(_Histogram):
+    """prometheus_client's histogram with its bucket found by bisection (its own `observe` walks the
+    bounds in Python) and each exemplar taken as given: the proxy's are one fixed label name,
+    `request_id`, and at most 64 characters (OpenMetrics allows 128 in all), so prometheus_client's
+    check of every exemplar's names is not needed. The samples exported are the same. With
+    `--workers N` one supervisor observes every worker's records: this is its share of them."""
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        if amount != amount:  # NaN: in the sum and in no bucket, as prometheus_client counts it
+            super().observe(amount, exemplar)
+            return
+        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        self._sum.inc(amount)
+        bucket = self._buckets[bisect_left(self._upper_bounds, amount)]  # (the last bound is +Inf)
+        bucket.inc(1)
+        if exemplar:
+            bucket.set_exemplar(Exemplar(exemplar, amount, time.time()))
 
 
 class _CallbackCounter(Collector):

@@ -124,7 +124,9 @@ class RecordSender(Observer):
 
     def on_response(self, record: ResponseRecord) -> None:
         self._ledger[self._pending] -= 1
-        self.send({"record": record.to_compact_dict()})  # (its None fields are the defaults put back)
+        fields = record.to_compact_dict()  # (its None fields are the defaults `record_from_dict` puts back)
+        del fields["cause"], fields["outcome"]  # derived: the supervisor's record derives them again
+        self.send({"record": fields})
 
     def refused(self, reason: str) -> None:
         self.send({"refused": reason})
