@@ -81,7 +81,8 @@ EXTRA_EVENTS = 4  # role, finish, usage, [DONE]
 WARM_UP = 1000  # short requests per relay before its fixed cost is measured
 
 
-def run_upstream(port: int, tokens: int) -> None:
+def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
+    """The upstream server (`reuse_port`: one of several processes on one port, as scaling.py runs it)."""
     role, body, final = stream_events(tokens)
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -112,7 +113,8 @@ def run_upstream(port: int, tokens: int) -> None:
     import uvloop
 
     uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096 if reuse_port else 1024,
+                reuse_port=reuse_port or None)
 
 
 # --- nginx -----------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import overhead  # the upstream's stream, the process tree's CPU
@@ -44,35 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WARM_S = 1.5  # from the first stream's start to the window's
 SETTLE_FACTOR = 0.9  # a relay relays what was offered while it gives at least this share of direct
 BUSY = 0.95  # or while its cores are less busy than this: past either, it is saturated
-
-
-# --- the upstream (several processes, one port) ------------------------------------------------
-def run_upstream(port: int, tokens: int) -> None:
-    role, body, final = overhead.stream_events(tokens)
-
-    async def stream(request: web.Request) -> web.StreamResponse:
-        interval = float(request.headers.get("X-Bench-Interval", "0.02"))
-        await request.read()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(role)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for i, event in enumerate(body):
-            delay = start + i * interval - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await response.write(event)
-        await response.write(final)
-        await response.write_eof()
-        return response
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", stream)
-    import uvloop
-
-    uvloop.install()
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096, reuse_port=True)
 
 
 # --- a generator: its share of the streams, events counted in the window ------------------------
@@ -175,7 +145,7 @@ def main() -> int:
     parser.add_argument("--window", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "upstream":
-        run_upstream(args.port, 50)
+        overhead.run_upstream(args.port, 50, reuse_port=True)  # (paced by the X-Bench-Interval header)
         return 0
     if args.role == "generator":
         import uvloop

@@ -164,8 +164,7 @@ async def _worker(args: WorkerArgs) -> None:
     # A worker's records go to the supervisor as they end, not in batches as one process delivers
     # them: nothing here could deliver what waits when the supervisor's admin listener is read, and
     # an answer that has ended must not be missing there for a tenth of a second.
-    delivery = Delivery([sender])
-    forwarder = wiring.proxy_application(config, delivery, tracker, budget, check, sender.refused)
+    forwarder = wiring.proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
