@@ -6,6 +6,11 @@
 
 `python deploy/render.py` writes both; `python deploy/render.py --check` exits 1 when a committed
 file differs from what this script renders (tests/deploy/test_files.py runs the check).
+
+For a Prometheus outside the compose stack (a proxy beside a server on a host of its own),
+`python deploy/render.py prometheus --proxy HOST:PORT [--proxy ...] [--vllm HOST:PORT]
+[--alertmanager HOST:PORT] > prometheus.yml` prints deploy/prometheus/prometheus.yml with those
+static targets and the rule files by their absolute paths in this checkout.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 JI = 'job=~"$job",instance=~"$instance"'
 JIM = f'{JI},model=~"$model"'
 REQ = "llm_proxy_requests_total"
-ANSWERS = f'{REQ}{{{JIM},outcome!="not_inference"}}'
 W = "[$__rate_interval]"
 # Series the dashboard falls back on where NVIDIA's DCGM exporter is scraped and the proxy's own
 # NVML telemetry is not (memory in MiB there, utilization in percent).
@@ -38,9 +42,29 @@ DCGM_FREE = "DCGM_FI_DEV_FB_FREE * 1048576"
 DCGM_UTIL = "DCGM_FI_DEV_GPU_UTIL / 100"
 
 
+def window_seconds(window: str) -> str:
+    """A range as a number of seconds in PromQL: `[5m]` -> 300, `[$__rate_interval]` -> Grafana's ms / 1000."""
+    return "300" if window == "[5m]" else "($__rate_interval_ms / 1000)"
+
+
+def from_birth(metric: str, selector: str, suffix: str = "_total", window: str = W, *, per_second: bool = True) -> str:
+    """The rate (or the increase) over `window` of one of the proxy's counters, or of a histogram's
+    `_sum` or `_bucket`, each series counted from its birth: rate() sees no rise in a series' first
+    scrape, so one the proxy created inside the window (its `_created` time) counts with its whole
+    value, as deploy/prometheus/rules/recording.yml does."""
+    series = f"{metric}{suffix}{{{selector}}}"
+    born = f"{metric}_created{{{selector}}}"
+    match = " ignoring (le)" if suffix == "_bucket" else ""
+    seconds = window_seconds(window)
+    whole = f"({series} and{match} ({born} > time() - {seconds}))"
+    if per_second:
+        return f"({whole} / {seconds} or rate({series}{window}))"
+    return f"({whole} or increase({series}{window}))"
+
+
 def answers_where(selector: str, window: str = W) -> str:
-    """Answers per second matching `selector` (added to the variables' selector)."""
-    return f"rate({REQ}{{{JIM},{selector}}}{window})"
+    """Answers per second matching `selector` (added to the variables' selector), from each series' birth."""
+    return from_birth("llm_proxy_requests", f"{JIM},{selector}", window=window)
 
 
 def ratio(numerator: str, denominator: str, by: str = "") -> str:
@@ -53,7 +77,7 @@ def ratio(numerator: str, denominator: str, by: str = "") -> str:
 
 def share(selector: str, by: str = "", window: str = W) -> str:
     """The share of all answers that match `selector`: numerator and denominator from one counter."""
-    return ratio(answers_where(selector, window), f"rate({ANSWERS}{window})", by)
+    return ratio(answers_where(selector, window), answers_where('outcome!="not_inference"', window), by)
 
 
 def records_link(query: str) -> dict[str, Any]:
@@ -108,7 +132,12 @@ def row(title: str, y: int) -> dict[str, Any]:
 
 
 def quantile(q: float, metric: str, selector: str, by: str = "concurrency") -> str:
-    return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}{W})))"
+    return f"histogram_quantile({q}, sum by ({by}, le) ({from_birth(metric, selector, '_bucket')}))"
+
+
+def counted(metric: str, selector: str = JI) -> str:
+    """Events per interval of one of the proxy's counters, each series counted from its birth."""
+    return from_birth(metric, selector, per_second=False)
 
 
 def panels() -> list[dict[str, Any]]:
@@ -118,6 +147,9 @@ def panels() -> list[dict[str, Any]]:
     budget_reasoning = answers_where('outcome="budget",reasoning="mostly"')
     length = answers_where('stop_reason="length"')
     length_reasoning = answers_where('stop_reason="length",reasoning="mostly"')
+    answers = answers_where('outcome!="not_inference"')
+    rejected = counted("llm_proxy_requests", f'{JIM},stop_reason="rejected"')
+    tokens = from_birth("llm_proxy_output_tokens", JIM, "_sum")
     return [
         panel("stat", "Answers cut by the serving layer (5m)", "Share of answers the serving layer ended "
               "(outcome cut: a server limit, an error, a deadline, a refusal) over the last 5 minutes. Answers "
@@ -129,10 +161,10 @@ def panels() -> list[dict[str, Any]]:
               [(share('outcome="budget"', window="[5m]"), "budget")], unit="percentunit",
               links=[records_link("outcome=budget")]),
         panel("stat", "Answers per second", "Inference responses per second (scrapes and model listings "
-              "left out).", (10, 0, 4, 4), [(f"sum(rate({ANSWERS}{W}))", "answers/s")], unit="reqps"),
+              "left out).", (10, 0, 4, 4), [(f"sum({answers})", "answers/s")], unit="reqps"),
         panel("stat", "Output tokens per second", "Output tokens delivered per second through the proxy "
               "(usage when the server reports it, else counted).", (14, 0, 4, 4),
-              [(f"sum(rate(llm_proxy_output_tokens_sum{{{JIM}}}{W}))", "tokens/s")]),
+              [(f"sum({tokens})", "tokens/s")]),
         panel("stat", "In flight", "Inference requests in flight through the proxy now.", (18, 0, 3, 4),
               [(f"sum(llm_proxy_in_flight{{{JI}}})", "in flight")]),
         panel("stat", "Proxies up", "Proxy targets Prometheus scrapes successfully, of all it knows.",
@@ -142,13 +174,13 @@ def panels() -> list[dict[str, Any]]:
               "own), budget (at the client's max_tokens), cut (by the serving layer), client_gone, client_error "
               "(a 4xx of the client's making), unknown (a length stop whose tokens were only counted, below the "
               "budget: the wire cannot tell). Click a series for its records.", (0, 5, 12, 8),
-              [(f"sum by (outcome) (rate({ANSWERS}{W}))", "{{outcome}}")], unit="reqps", stacking="percent",
+              [(f"sum by (outcome) ({answers})", "{{outcome}}")], unit="reqps", stacking="percent",
               links=[records_link("outcome=${__field.labels.outcome}")]),
         panel("timeseries", "Truncation ratio by cause", "Answers the serving layer cut, by cause, as a share "
               "of all answers. server_limit: a length stop below the max_tokens the client asked for (a clamped "
               "budget, the context ran out); an upstream error by kind (oom, http_5xx, reset, context_exhausted, "
               "...); deadline, rejected, interrupted. Click a series for its records.", (12, 5, 12, 8),
-              [(f"sum by (cause) ({cut}) / on () group_left () (sum(rate({ANSWERS}{W})) > 0)", "{{cause}}")],
+              [(f"sum by (cause) ({cut}) / on () group_left () (sum({answers}) > 0)", "{{cause}}")],
               unit="percentunit", links=[records_link("cause=${__field.labels.cause}")]),
         panel("timeseries", "Truncation ratio by concurrency", "Share of answers the serving layer cut, per "
               "concurrency bucket (the peak number of requests in flight during each response). Rising with "
@@ -167,13 +199,13 @@ def panels() -> list[dict[str, Any]]:
               "the budget unchanged, mean the server shortens answers under load. Exemplars name a recent "
               "request: hover one for its record.", (0, 21, 12, 8),
               [(quantile(0.5, "llm_proxy_output_tokens", JIM), "p50 c={{concurrency}}"),
-               (f"sum(rate(llm_proxy_requested_max_tokens_sum{{{JIM}}}{W})) / "
-                f"sum(rate(llm_proxy_requested_max_tokens_count{{{JIM}}}{W}))", "requested max_tokens (mean)")],
+               (f"sum({from_birth('llm_proxy_requested_max_tokens', JIM, '_sum')}) / "
+                f"sum({from_birth('llm_proxy_requested_max_tokens', JIM, '_count')})", "requested max_tokens (mean)")],
               exemplars=True),
         panel("timeseries", "Cuts against in-flight and GPU memory", "Answers cut by cause (left axis, share of "
               "all answers) on one time axis with the requests in flight and the GPU memory used (right axes): "
               "cuts that rise with load and with full memory show here together.", (12, 21, 12, 8),
-              [(f"sum by (cause) ({cut}) / on () group_left () (sum(rate({ANSWERS}{W})) > 0)", "cut: {{cause}}"),
+              [(f"sum by (cause) ({cut}) / on () group_left () (sum({answers}) > 0)", "cut: {{cause}}"),
                (f"sum(llm_proxy_in_flight{{{JI}}})", "in flight"),
                (f"sum(llm_proxy_gpu_memory_used_bytes{{{JI}}}) or on () sum({DCGM_USED})", "GPU memory used")],
               unit="percentunit", overrides=[right_axis("^in flight$", "short"),
@@ -192,8 +224,8 @@ def panels() -> list[dict[str, Any]]:
               unit="s"),
         panel("timeseries", "Throughput", "Output tokens per second by model (left axis) and answers per "
               "second (right axis), as delivered through the proxy.", (16, 30, 8, 8),
-              [(f"sum by (model) (rate(llm_proxy_output_tokens_sum{{{JIM}}}{W}))", "tokens/s {{model}}"),
-               (f"sum(rate({ANSWERS}{W}))", "answers/s")],
+              [(f"sum by (model) ({tokens})", "tokens/s {{model}}"),
+               (f"sum({answers})", "answers/s")],
               overrides=[right_axis("^answers/s$", "reqps")]),
         row("Memory and the server's own state", 38),
         panel("timeseries", "In flight vs GPU memory", "Requests in flight (left axis) and GPU memory used and "
@@ -229,8 +261,8 @@ def panels() -> list[dict[str, Any]]:
               "token: usually their own timeout while queued) and responses past the proxy's --deadline or "
               "--idle-timeout, per interval. Records: /api/requests?stop_reason=client_disconnect, "
               "?stop_reason=deadline, ?stop_reason=idle_timeout.", (0, 57, 12, 8),
-              [(f"sum by (phase) (increase(llm_proxy_client_disconnects_total{{{JI}}}{W}))", "disconnect {{phase}}"),
-               (f"sum by (kind, mode) (increase(llm_proxy_deadline_hits_total{{{JI}}}{W}))",
+              [(f"sum by (phase) ({counted('llm_proxy_client_disconnects')})", "disconnect {{phase}}"),
+               (f"sum by (kind, mode) ({counted('llm_proxy_deadline_hits')})",
                 "deadline {{kind}} ({{mode}})")],
               links=[records_link("stop_reason=client_disconnect")]),
         panel("timeseries", "Upstream errors and rejections", "Upstream failures per interval by kind (oom: "
@@ -240,9 +272,9 @@ def panels() -> list[dict[str, Any]]:
               "(429/503: load shedding) and responses the parser could not fully read. Records: "
               "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
               (12, 57, 12, 8),
-              [(f"sum by (kind) (increase(llm_proxy_upstream_errors_total{{{JI}}}{W}))", "{{kind}}"),
-               (f'sum(increase({REQ}{{{JIM},stop_reason="rejected"}}{W}))', "rejected (429/503)"),
-               (f"sum by (dialect) (increase(llm_proxy_parse_errors_total{{{JI}}}{W}))", "parse error {{dialect}}")],
+              [(f"sum by (kind) ({counted('llm_proxy_upstream_errors')})", "{{kind}}"),
+               (f"sum({rejected})", "rejected (429/503)"),
+               (f"sum by (dialect) ({counted('llm_proxy_parse_errors')})", "parse error {{dialect}}")],
               links=[records_link("stop_reason=upstream_error")]),
         panel("timeseries", "Length stops spent on reasoning", "Of the length stops of each cause (at the "
               "client's budget, or below it: server_limit), the share whose budget went mostly (50% or more) "
@@ -256,8 +288,8 @@ def panels() -> list[dict[str, Any]]:
               "dropping the head of the prompt), by model: they end on their own and look complete. And the "
               "length stops the wire left open (tokens only counted), by what the server's own tokenizer made "
               "of them. Records: /api/requests?model=... (prompt_truncated).", (12, 65, 12, 7),
-              [(f"sum by (model) (increase(llm_proxy_prompt_truncated_total{{{JIM}}}{W}))", "prompt cut: {{model}}"),
-               (f"sum by (result) (increase(llm_proxy_server_tokenizer_requests_total{{{JI}}}{W}))",
+              [(f"sum by (model) ({counted('llm_proxy_prompt_truncated', JIM)})", "prompt cut: {{model}}"),
+               (f"sum by (result) ({counted('llm_proxy_server_tokenizer_requests')})",
                 "tokenizer: {{result}}")]),
         {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 72, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
@@ -353,11 +385,61 @@ def prometheus_rule() -> str:
     return header + yaml.dump(manifest, Dumper=_BlockDumper, sort_keys=False, width=120, allow_unicode=True)
 
 
+PROMETHEUS_CONFIG = ROOT / "deploy/prometheus/prometheus.yml"
+
+
+def prometheus_config(proxies: list[str], vllm: list[str] | None = None, alertmanagers: list[str] | None = None,
+                      interval: str | None = None) -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml for targets named by HOST:PORT instead of the compose stack's
+    DNS names: the proxies' admin listeners, vLLM servers (their own /metrics), the Alertmanagers
+    (none: no alerting section), every rule file by its absolute path; `interval` sets the scrape and
+    evaluation intervals (the file's own 5s otherwise)."""
+    config: dict[str, Any] = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    if interval is not None:
+        config["global"].update(scrape_interval=interval, evaluation_interval=interval)
+    config["rule_files"] = [str(PROMETHEUS_CONFIG.parent / path) for path in config["rule_files"]]
+    if alertmanagers:
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": alertmanagers}]}]}
+    else:
+        config.pop("alerting", None)
+    targets = {"llm-diag-proxy": proxies, "vllm": vllm or []}
+    jobs = []
+    for job in config["scrape_configs"]:
+        if job["job_name"] not in targets:
+            continue
+        if not targets[job["job_name"]]:
+            continue
+        job.pop("dns_sd_configs", None)
+        job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+        jobs.append(job)
+    config["scrape_configs"] = jobs
+    return config
+
+
 def rendered() -> dict[Path, str]:
     return {DASHBOARD_PATH: json.dumps(dashboard(), indent=2) + "\n", PROMETHEUS_RULE_PATH: prometheus_rule()}
 
 
+def prometheus_main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="deploy/render.py prometheus",
+                                     description="prometheus.yml for proxies outside the compose stack")
+    parser.add_argument("--proxy", action="append", required=True, metavar="HOST:PORT",
+                        help="a proxy's admin listener (its /metrics); repeat for each proxy")
+    parser.add_argument("--vllm", action="append", default=[], metavar="HOST:PORT", help="a vLLM server's port")
+    parser.add_argument("--alertmanager", action="append", default=[], metavar="HOST:PORT")
+    parser.add_argument("--interval", default=None, help="scrape and rule interval (default: the file's 5s)")
+    args = parser.parse_args(argv)
+    config = prometheus_config(args.proxy, args.vllm, args.alertmanager, args.interval)
+    sys.stdout.write("# GENERATED by deploy/render.py prometheus from deploy/prometheus/prometheus.yml\n"
+                     + yaml.dump(config, Dumper=_BlockDumper, sort_keys=False, width=120))
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[1:2] == ["prometheus"]:
+        return prometheus_main(argv[2:])
     check = "--check" in argv[1:]
     stale = []
     for path, text in rendered().items():

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,10 +86,12 @@ class CheckLimits:
 class ServerFactsProbe:
     """What the upstream says of itself, kept fresh in the background; `facts` never waits."""
 
-    def __init__(self, session: aiohttp.ClientSession, base: str, *, enabled: bool = True) -> None:
+    def __init__(self, session: aiohttp.ClientSession, base: str, *, enabled: bool = True,
+                 on_models: Callable[[Iterable[str]], None] = lambda names: None) -> None:
         self._session = session
         self._base = base.rstrip("/")
         self.enabled = enabled  # False: the server is never asked, and stays unknown
+        self._on_models = on_models  # the models the server lists, each time it is asked
         self.facts: ServerFacts = UNKNOWN_SERVER
         self._models: dict[str, None] = {}  # models seen in requests (a router is asked about these)
         self._wake = asyncio.Event()
@@ -110,6 +112,8 @@ class ServerFactsProbe:
         found = await read_server_facts(self._session, self._base, tuple(self._models))
         if found.kind != "unknown" or self.facts.kind == "unknown":
             self.facts = found
+        if found.by_model:
+            self._on_models(found.by_model.keys())
         if self.facts != self._logged:
             self._logged = self.facts
             _log.info("upstream_identified", kind=self.facts.kind, router=self.facts.router,
@@ -421,11 +425,12 @@ class ServerCheck:
 
 def open_server_check(upstream: str, authorization: str | None, deliver: Callable[[ResponseRecord], None], *,
                       probe: bool = True, tokenizer: bool = True, limits: CheckLimits = CheckLimits(),
-                      on_result: Callable[[str], None] = lambda result: None) -> ServerCheck:
+                      on_result: Callable[[str], None] = lambda result: None,
+                      on_models: Callable[[Iterable[str]], None] = lambda names: None) -> ServerCheck:
     """A check of `upstream` with a connection pool of its own (call inside the event loop, then `start`);
     without `probe` it never asks the server anything, and its facts stay unknown."""
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(limits.timeout_s, READ_TIMEOUT_S)),
                                     headers={"Authorization": authorization} if authorization else None)
-    facts = ServerFactsProbe(session, upstream, enabled=probe)
+    facts = ServerFactsProbe(session, upstream, enabled=probe, on_models=on_models)
     asker = ServerTokenizer(session, upstream) if tokenizer and probe else None
     return ServerCheck(facts, asker, deliver, limits, on_result, session=session)

@@ -5,9 +5,10 @@ calls these hooks on the chain that `serve.wiring.default_observers` declares in
 enrichers first. An observer reads a record and never writes it; an enricher returns facts,
 which the diagnosis writes into the record before the observers see it.
 
-- `on_response_start(record)`: the request was admitted, before its body is read; the record
-  holds its identity only (the id, the method, the path, the concurrency at admission). Most
-  observers need only the end: subclass `Observer` and the start costs nothing.
+- `on_response_start(record)`: the request was admitted and its body read, before it goes
+  upstream; the record holds its identity and what the request asks (the id, the path, the
+  concurrency at admission, the model, the budget). Most observers need only the end: subclass
+  `Observer` and the start costs nothing.
 - `on_response(record)`: the response ended and was classified, enrichers' facts in it.
 - `facts_for(record)`: what an enricher knows of the response that the wire did not say.
 """
@@ -23,7 +24,7 @@ class Observer(Protocol):
     """One job with each finished record (metrics, the log line, the store, history, spans)."""
 
     def on_response_start(self, record: ResponseRecord) -> None:
-        """The request was admitted (no-op unless an observer needs it)."""
+        """The request was admitted and read (no-op unless an observer needs it)."""
         return None
 
     def on_response(self, record: ResponseRecord) -> None:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Summary, disable_created_metrics
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as _Counter
 from prometheus_client import Histogram as _Histogram
+from prometheus_client import Summary as _Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Exemplar
+from prometheus_client.samples import Exemplar, Sample
 
 from proxy.observers.hooks import Observer
 from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord, concurrency_bucket
@@ -29,11 +31,35 @@ TRUNCATION_CAUSES = CUT_CAUSES
 OTHER_MODEL = "other"
 NO_MODEL = "none"
 
-# A `_created` sample per series doubles /metrics for no use here (Prometheus reads resets itself).
-disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
-class Histogram(_Histogram):
+class Created:
+    """Every series with its `_created` sample, the moment it started from 0, whatever
+    prometheus_client's global switch says. `rate()` and `increase()` see nothing of a series'
+    first scrape: a label set first scraped at 3 (a new model's first cut answers, a concurrency
+    bucket a burst just reached, every series after a restart) would lose those 3, and an alert on
+    the first cut would never fire. With the created time the rules count a series born inside
+    their window from 0 (deploy/prometheus/rules); a Prometheus that ingests it as a zero sample
+    (`--enable-feature=created-timestamp-zero-ingestion`) does so by itself."""
+
+    _created: float
+
+    def _child_samples(self) -> Iterable[Sample]:
+        samples = tuple(super()._child_samples())  # type: ignore[misc]
+        if samples and samples[-1].name == "_created":
+            return samples
+        return (*samples, Sample("_created", {}, self._created, None, None))
+
+
+class Counter(Created, _Counter):
+    """prometheus_client's counter, its `_created` sample always exported."""
+
+
+class Summary(Created, _Summary):
+    """prometheus_client's summary, its `_created` sample always exported."""
+
+
+class Histogram(Created, _Histogram):
     """prometheus_client's histogram with its bucket found by bisection (its own `observe` walks the
     bounds in Python) and each exemplar taken as given: the proxy's are one fixed label name,
     `request_id`, and at most 64 characters (OpenMetrics allows 128 in all), so prometheus_client's
@@ -65,11 +91,15 @@ class _CallbackCounter(Collector):
 class BoundedLabel:
     """A label whose values are the first `limit` distinct names, then `other`; no name is `none`."""
 
-    __slots__ = ("_seen", "limit")
+    __slots__ = ("_seen", "limit", "listed")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._seen: set[str] = set()
+        self.listed = 0  # names that came from a server's listing, not from traffic
+
+    def knows(self, name: str) -> bool:
+        return name in self._seen
 
     def label(self, name: str | None) -> tuple[str, bool]:
         """The label for `name`, and whether it is a label's first use (`none` never counts)."""
@@ -128,9 +158,10 @@ class ProxyMetrics:
             "llm_proxy_request_duration_seconds", "Time from request to the end of the response, by outcome; "
             "the exemplar names a recent request.", ["outcome"], buckets=DURATION_BUCKETS, registry=r)
         self.truncated = Counter(
-            "llm_proxy_truncated", "Answers the serving layer cut (outcome cut), by cause; server_limit is "
-            "exported at 0 from a model's first answer so that its first rise alerts. For counting and "
-            "alerting: ratios come from llm_proxy_requests_total.", ["model", "cause"], registry=r)
+            "llm_proxy_truncated", "Answers the serving layer cut (outcome cut), by cause; every cause of a "
+            "model exists at 0 from the moment the proxy knows the model (listed by the server, or named by "
+            "an admitted request), so that its first rise alerts. For counting and alerting: ratios come "
+            "from llm_proxy_requests_total.", ["model", "cause"], registry=r)
         self.prompt_truncated = Counter(
             "llm_proxy_prompt_truncated", "Answers whose prompt the server cut on the way in (Ollama dropping "
             "earlier messages past its context, llama.cpp's context shift), as the server's own numbers show; "
@@ -244,11 +275,30 @@ class ProxyMetrics:
             self._start_truncation_series(label)
         return label
 
+    def know_models(self, names: Iterable[str]) -> None:
+        """Models the server lists: their cut series at 0 before any answer of theirs. At most half
+        of `--max-models` go to listed names, so that a server listing many cannot take every label
+        from the models the traffic uses."""
+        room = self.max_models // 2 - self._models.listed
+        for name in names:
+            if room <= 0:
+                return
+            if self._models.knows(name):
+                continue
+            self.model_label(name)
+            self._models.listed += 1
+            room -= 1
+
     def _start_truncation_series(self, model: str) -> None:
-        """A model's server_limit and prompt-cut counts at 0 from its first response on: what alerts
-        watch with increase(), which cannot see a series that is born at 1. Nothing else is created
-        before it is used, so /metrics grows with the traffic, not with the label space."""
-        self._child(self.truncated, model, "server_limit")
+        """A model's cut counts, every cause, and its prompt cuts at 0 from the moment the proxy
+        knows the model (the server lists it, or a request names it when it is admitted): what the
+        alerts watch with increase(), which sees no rise in a series born at 1 (its `_created`
+        sample covers the rest, see `Created`). A model's answers by concurrency and outcome
+        (`llm_proxy_requests_total`) are not made ahead: their label space is thousands of series
+        a model, so /metrics grows with the traffic there, and the rules count those series from
+        their `_created` time."""
+        for cause in TRUNCATION_CAUSES:
+            self._child(self.truncated, model, cause)
         self._child(self.prompt_truncated, model)
 
     def _child(self, metric: Any, *labels: str) -> Any:
@@ -265,6 +315,12 @@ class MetricsObserver(Observer):
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
+
+    def on_response_start(self, record: ResponseRecord) -> None:
+        """Admitted, its request read: a model met for the first time has its cut series at 0
+        now, before its answer could be cut (a scrape during a long first answer sees the 0)."""
+        if record.model:
+            self.metrics.model_label(record.model)
 
     def on_response(self, record: ResponseRecord) -> None:
         m = self.metrics

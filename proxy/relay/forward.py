@@ -231,13 +231,13 @@ class _Exchange:
     async def forward(self) -> web.StreamResponse:
         recorder = self.recorder
         body = self.body
-        self._notify_start()
         try:
             await body.read(self.body_cap)
         except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
         recorder.request_body(body.held, body.note)
+        self._notify_start()  # (after the body: the record names the model it asks for)
         headers = end_to_end(self.request.headers, REQUEST_SKIP)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.

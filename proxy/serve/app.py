@@ -28,6 +28,7 @@ from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.wiring import (
     RUNNER_SHUTDOWN_S,
     Observing,
+    about,
     drain,
     history_shown,
     proxy_application,
@@ -126,13 +127,15 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
     budget = ByteBudget(config.parse_budget_bytes)
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    check = server_check(config, chain.response_finished, metrics.count_tokenizer)
+    check = server_check(config, chain.response_finished, metrics.count_tokenizer, metrics.know_models)
     forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
     readers = AdminReaders()
-    admin_app = observing.admin(config, session, ready=lambda: not forwarder.shutting_down, readers=readers)
     running = RunningProxy(config, "", "", observing.store, metrics, concurrency, chain, forwarder,
                            _observing=observing, _session=session, _history=observing.history,
                            tracer=observing.tracer, check=check, readers=readers)
+    admin_app = observing.admin(config, session, ready=lambda: not forwarder.shutting_down, readers=readers,
+                                about=about(config, lambda: running.proxy_url, lambda: running.admin_url,
+                                            lambda: check.facts))
     options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
                                "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
     try:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.metrics import Created, ProxyMetrics
 from tests.support.proxies import ProxyFactory
 from tests.support.scripted_upstream import ScriptedUpstream
 
@@ -76,6 +76,8 @@ def exported_names() -> set[str]:
             names.update(f"{family.name}{suffix}" for suffix in ("_sum", "_count"))
         else:
             names.add(family.name)
+    # the proxy's own counters, histograms and summaries say when each series started (`_created`)
+    names.update(f"{metric._name}_created" for metric in vars(metrics).values() if isinstance(metric, Created))
     return names
 
 
@@ -225,10 +227,25 @@ def test_dashboard_has_datasource_job_instance_model_and_admin_url_variables_use
 def test_every_share_on_the_dashboard_takes_both_sides_from_the_requests_counter() -> None:
     """A ratio of two series sets that appear at different times can pass 100% (the burst that
     moved traffic into a new concurrency bucket did): every share of answers is one counter over
-    itself. The real Prometheus test checks the values."""
-    for title, expr in render.dashboard_expressions(render.dashboard()):
-        if " / " in expr and "llm_proxy_requests_total" in expr:
-            assert names_in(expr) == {"llm_proxy_requests_total"}, title
+    itself (with its `_created` time, which counts a series from its birth). The real Prometheus
+    test checks the values."""
+    for item in render.dashboard()["panels"]:
+        for target in item.get("targets", []):
+            if item["fieldConfig"]["defaults"]["unit"] == "percentunit" and "llm_proxy_requests" in target["expr"]:
+                assert names_in(target["expr"]) == {"llm_proxy_requests_total", "llm_proxy_requests_created"}, \
+                    item["title"]
+
+
+def test_every_rate_of_the_proxys_counters_counts_series_from_their_birth() -> None:
+    """rate() and increase() see no rise in a series first scraped above 0: every one of the
+    proxy's counters and histograms in a rule or a panel goes with its `_created` time (the upstream's
+    own counters, read from the server, have none)."""
+    texts = [expr for _, expr in render.dashboard_expressions(render.dashboard())]
+    texts += [rule["expr"] for rule in rules()]
+    for expr in texts:
+        for name in re.findall(r"(?:rate|increase)\((llm_proxy_\w+?)(?:_total|_sum|_count|_bucket)\{", expr):
+            if name != "llm_proxy_upstream_preemptions":
+                assert f"{name}_created" in expr, expr
 
 
 def test_cause_and_outcome_panels_link_to_their_records_and_histograms_carry_exemplars() -> None:
@@ -349,6 +366,14 @@ def test_compose_pins_every_image_and_needs_a_grafana_password() -> None:
 
 def test_compose_prometheus_stores_exemplars() -> None:
     assert "--enable-feature=exemplar-storage" in compose()["services"]["prometheus"]["command"]
+
+
+def test_compose_prometheus_takes_created_times_as_zero_samples() -> None:
+    """Prometheus 2.55+ turns an OpenMetrics `_created` line into the zero a series started from."""
+    service = compose()["services"]["prometheus"]
+    assert "--enable-feature=created-timestamp-zero-ingestion" in service["command"]
+    version = re.search(r"v(\d+)\.(\d+)", service["image"])
+    assert version is not None and (int(version[1]), int(version[2])) >= (2, 55), service["image"]
 
 
 def test_the_root_dockerignore_keeps_what_the_image_build_keeps() -> None:
@@ -612,3 +637,22 @@ def test_k8s_sidecar_takes_the_fleets_history_from_an_optional_secret_and_names_
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["LLM_DIAG_INSTANCE"]["value"] == "$(POD_NAME):8080"
     assert list(env).index("POD_NAME") < list(env).index("LLM_DIAG_INSTANCE")  # $(VAR) sees earlier ones only
+
+
+def test_every_alert_is_in_the_deploy_docs_table() -> None:
+    """docs/deploy.md's alert table names every alert the rules define, one row each."""
+    table = [line for line in (ROOT / "docs/deploy.md").read_text().splitlines() if line.startswith("| `LLMProxy")]
+    named = {name for line in table for name in re.findall(r"`(LLMProxy\w+)`", line.split("|")[1])}
+    alerts = {rule["alert"] for rule in rules() if "alert" in rule}
+    assert named == alerts, (sorted(alerts - named), sorted(named - alerts))
+
+
+def test_deploy_render_prometheus_writes_a_config_for_targets_outside_compose() -> None:
+    config = render.prometheus_config(["10.0.0.5:9464"], ["10.0.0.5:8000"], ["127.0.0.1:9093"])
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["llm-diag-proxy"]["static_configs"] == [{"targets": ["10.0.0.5:9464"]}]
+    assert jobs["vllm"]["static_configs"] == [{"targets": ["10.0.0.5:8000"]}]
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9093"]
+    assert all(Path(path).is_absolute() and Path(path).exists() for path in config["rule_files"])
+    bare = render.prometheus_config(["127.0.0.1:9464"])
+    assert "alerting" not in bare and [job["job_name"] for job in bare["scrape_configs"]] == ["llm-diag-proxy"]

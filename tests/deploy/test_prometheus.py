@@ -47,6 +47,7 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy.config import parse_duration
 from tests.deploy.test_files import NAME_IN_PROMQL, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,19 +137,11 @@ class Stack:
         return result
 
 
-def prometheus_config(sim_port: int, admin_ports: list[int]) -> dict[str, Any]:
-    """deploy/prometheus/prometheus.yml with loopback targets, 1s intervals, the rules by absolute path."""
-    config: dict[str, Any] = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(ROOT / "deploy/prometheus" / path) for path in config["rule_files"]]
-    config.pop("alerting")
-    targets = {"llm-diag-proxy": [f"127.0.0.1:{port}" for port in admin_ports], "vllm": [f"127.0.0.1:{sim_port}"]}
-    jobs = [job for job in config["scrape_configs"] if job["job_name"] in targets]
-    assert len(jobs) == 2, "prometheus.yml lost its llm-diag-proxy or vllm job"
-    for job in jobs:
-        job.pop("dns_sd_configs")
-        job["static_configs"] = [{"targets": targets[job["job_name"]]}]
-    return {**config, "scrape_configs": jobs}
+def prometheus_config(sim_port: int, admin_ports: list[int], interval: str = "1s") -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml with loopback targets (as `deploy/render.py prometheus` renders
+    it), 1s intervals, the rules by absolute path."""
+    return render.prometheus_config([f"127.0.0.1:{port}" for port in admin_ports], [f"127.0.0.1:{sim_port}"],
+                                    interval=interval)
 
 
 # With usage in the stream, a length stop below the budget is a proven server_limit (a counted
@@ -281,6 +274,7 @@ def gpu_telemetry_works(stack: Stack) -> bool:
 
 def allowed_empty(stack: Stack) -> dict[str, str]:
     allowed = dict(MAY_BE_EMPTY)
+    allowed.update((name.removesuffix("_total") + "_created", why) for name, why in MAY_BE_EMPTY.items())
     if not gpu_telemetry_works(stack):
         allowed.update((name, "no working NVML on this machine (llm_proxy_gpu_telemetry_up is 0)")
                        for name in GPU_SERIES)
@@ -291,6 +285,7 @@ def for_prometheus(expr: str, rate_interval: str = RATE_INTERVAL) -> str:
     """A dashboard query with Grafana's variables filled in as the `All` selection does, and the
     job variable at its default."""
     return (expr.replace("$instance", ".*").replace("$model", ".*").replace("$job", "llm-diag-proxy")
+            .replace("$__rate_interval_ms", str(int(parse_duration(rate_interval) * 1000)))
             .replace("$__rate_interval", rate_interval))
 
 
@@ -368,12 +363,13 @@ def ratio_expressions() -> list[tuple[str, str]]:
     for group in render.rule_groups():
         for rule in group["rules"]:
             share = re.match(r"(.*?/.*?)\s*>\s*0\.\d+\s*\n\s*and", rule.get("expr", ""), re.DOTALL)
-            if "alert" in rule and share and "llm_proxy_requests_total" in share.group(1):
+            if "alert" in rule and share and "llm_proxy_requests" in share.group(1):
                 found.append((f"alert {rule['alert']}", share.group(1)))
     board = render.dashboard()
     for item in board["panels"]:
         for target in item.get("targets", []):
-            if " / " in target["expr"] and "llm_proxy_requests_total" in target["expr"]:
+            shares = item["fieldConfig"]["defaults"]["unit"] == "percentunit"
+            if shares and "llm_proxy_requests_total" in target["expr"]:
                 found.append((f"panel {item['title']!r}", for_prometheus(target["expr"], "5s")))
     return found
 

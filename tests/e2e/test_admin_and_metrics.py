@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import sqlite3
 from pathlib import Path
 
@@ -76,7 +77,11 @@ async def test_metrics_carry_stop_reason_cause_outcome_concurrency_and_truncatio
                  "llm_proxy_time_to_first_token_seconds_bucket", "llm_proxy_inter_token_latency_seconds_bucket",
                  "llm_proxy_request_duration_seconds_bucket"):
         assert any(n == name for n, _ in samples), name
-    assert not any(n.endswith("_created") for n, _ in samples)  # no _created series at all
+    # every series says when it started, so that the rules count a series born at 1 from 0
+    created = {labels: value for (name, labels), value in samples.items() if name == "llm_proxy_requests_created"}
+    assert len(created) == 3 and all(abs(value - time.time()) < 60 for value in created.values())
+    # a model's cut series exist at 0 for every cause from its first request on
+    assert samples[("llm_proxy_truncated_total", (("cause", "oom"), ("model", "m")))] == 0
 
 
 async def test_openmetrics_scrapes_carry_request_ids_as_exemplars(

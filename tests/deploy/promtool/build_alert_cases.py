@@ -119,6 +119,32 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyServerLimitLengthStops", job="llm-diag-proxy", model="m")]},
         {"eval_time": "45m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
     ])
+    # A series first scraped above 0 shows no rise to increase(): its `_created` time counts it.
+    case("a new model's first answer cut by the server fires, though its series is born at 1", [
+        s("llm_proxy_truncated_total", 'model="fresh-model-1",cause="server_limit"', "_x30 1x30"),
+        s("llm_proxy_truncated_created", 'model="fresh-model-1",cause="server_limit"', "_x30 1795x30"),
+    ], [
+        {"eval_time": "29m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
+        {"eval_time": "31m", "alertname": "LLMProxyServerLimitLengthStops",
+         "exp_alerts": [fired("LLMProxyServerLimitLengthStops", job="llm-diag-proxy", model="fresh-model-1")]},
+        {"eval_time": "39m", "alertname": "LLMProxyServerLimitLengthStops",
+         "exp_alerts": [fired("LLMProxyServerLimitLengthStops", job="llm-diag-proxy", model="fresh-model-1")]},
+        {"eval_time": "45m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
+    ])
+    case("a series created long ago and first scraped now (a Prometheus started afresh) does not fire", [
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "_x30 4x30"),
+        s("llm_proxy_truncated_created", 'model="m",cause="server_limit"', "_x30 60x30"),
+    ], [
+        {"eval_time": "31m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
+    ])
+    case("series made at 0 ahead of the first cut: a model's other causes do not fire", [
+        s("llm_proxy_truncated_total", 'model="m",cause="server_limit"', "_x30 0x30"),
+        s("llm_proxy_truncated_created", 'model="m",cause="server_limit"', "_x30 1795x30"),
+        s("llm_proxy_truncated_total", 'model="m",cause="deadline"', "_x30 2x30"),
+        s("llm_proxy_truncated_created", 'model="m",cause="deadline"', "_x30 1795x30"),
+    ], [
+        {"eval_time": "31m", "alertname": "LLMProxyServerLimitLengthStops", "exp_alerts": []},
+    ])
     # --- LLMProxyClientDisconnectSpike
     case("client disconnects rising over their baseline fire", [
         answers("m", "eos", "8", "0+10x90"),
@@ -193,6 +219,14 @@ def build_cases() -> list[dict[str, Any]]:
         {"eval_time": "15m", "alertname": "LLMProxyUpstreamOutOfMemory",
          "exp_alerts": [fired("LLMProxyUpstreamOutOfMemory", job="llm-diag-proxy")]},
         {"eval_time": "35m", "alertname": "LLMProxyUpstreamOutOfMemory", "exp_alerts": []},
+    ])
+    case("the first out-of-memory error of a proxy fires, though the series is born at 1", [
+        s("llm_proxy_upstream_errors_total", 'kind="oom"', "_x10 1x30"),
+        s("llm_proxy_upstream_errors_created", 'kind="oom"', "_x10 590x30"),
+    ], [
+        {"eval_time": "11m", "alertname": "LLMProxyUpstreamOutOfMemory",
+         "exp_alerts": [fired("LLMProxyUpstreamOutOfMemory", job="llm-diag-proxy")]},
+        {"eval_time": "25m", "alertname": "LLMProxyUpstreamOutOfMemory", "exp_alerts": []},
     ])
     # --- LLMProxyContextExhausted
     case("a context that ran out fires at once, naming which", [
