@@ -150,7 +150,8 @@ class ResponseRecord:
     length_cause_detail: str | None = None  # how the server's own numbers decided it, or why they could not
     stop_detail: str | None = None  # what the stop means where its name does not say it (not_generated: why)
     user_turn: bool | None = None  # the chat carried a user message (None: not a chat, or not read)
-    prompt_tokens_source: Literal["usage", "tokenizer"] | None = None  # the server's report, or its tokenizer
+    # the server's report (usage), its tokenizer, or the count in its refusal of an over-long prompt
+    prompt_tokens_source: Literal["usage", "tokenizer", "server_error"] | None = None
     context_tokens: int | None = None  # the context the server gives one request, where it says
     prompt_truncated: bool | None = None  # the server cut the prompt on the way in; None: cannot know
     prompt_truncated_detail: str | None = None  # how that was decided

@@ -29,7 +29,25 @@ _CONTEXT_EXHAUSTED = re.compile(r"context size has been exceeded|kv cache is ful
 _EXCEEDS_CONTEXT = re.compile(
     r"exceeds the available context size|larger than the max context size|maximum context length"
     r"|greater than max_model_len|input length exceeds the context length|context_length_exceeded"
-    r"|exceed_context_size_error|prompt is too long", re.IGNORECASE)
+    r"|exceed_context_size_error|prompt is too long|longer than the model's context length", re.IGNORECASE)
+# The counts in those refusals, the prompt's and the context's (group names), checked against the sources:
+# llama-server (tools/server/server-context.cpp), vLLM (vllm/renderers/params.py, _token_len_check; older
+# releases' serving_engine.py) and SGLang (python/sglang/srt/managers/tokenizer_manager.py, _validate_one_request).
+_REFUSAL_COUNTS = tuple(re.compile(pattern, re.IGNORECASE) for pattern in (
+    r"request \((?P<prompt>\d+) tokens\) exceeds the available context size \((?P<context>\d+) tokens\)",
+    r"input \((?P<prompt>\d+) tokens\) is larger than the max context size \((?P<context>\d+) tokens\)",
+    r"maximum context length is (?P<context>\d+) tokens\. However, your prompt contains (?P<prompt>\d+) input tokens",
+    r"maximum context length is (?P<context>\d+) tokens\. However, your request has (?P<prompt>\d+) input tokens",
+    r"maximum context length is (?P<context>\d+) tokens\. However, you requested \d+ output tokens and your prompt "
+    r"contains (?P<prompt>\d+) input tokens",
+    r"maximum context length is (?P<context>\d+) tokens\. However, you requested \d+ tokens \((?P<prompt>\d+) in "
+    r"the messages",
+    r"maximum context length of (?P<context>\d+) tokens\. You requested a total of \d+ tokens: (?P<prompt>\d+) "
+    r"tokens from the input messages",
+    r"the input \((?P<prompt>\d+) tokens\) is longer than the model's context length \((?P<context>\d+) tokens\)",
+))
+# A count past this is no prompt's
+MAX_SANE_TOKENS = 1 << 40
 # Statuses that mean "not now": rate limits, an unavailable server, Anthropic's 529 overloaded.
 REJECTED_STATUSES = frozenset({429, 503, 529})
 
@@ -71,6 +89,20 @@ class Diagnosis:
     upstream_error: UpstreamErrorKind | None = None
     upstream_error_detail: str | None = None
     length_cause_source: LengthCauseSource | None = None
+
+
+def refusal_counts(message: str | None) -> tuple[int, int] | None:
+    """The prompt's tokens and the context, as a server's refusal of an over-long prompt states
+    them; None when it states no such counts. vLLM's "at least N input tokens" (its tokenizer
+    stopped counting at the context) is a lower bound, not the prompt's count: None."""
+    if not message:
+        return None
+    for pattern in _REFUSAL_COUNTS:
+        found = pattern.search(message)
+        if found is not None:
+            prompt, context = int(found["prompt"]), int(found["context"])
+            return (prompt, context) if 0 < prompt < MAX_SANE_TOKENS and 0 < context < MAX_SANE_TOKENS else None
+    return None
 
 
 def is_oom(message: str) -> bool:

@@ -129,6 +129,10 @@ def _llamacpp(record: ResponseRecord, info: RequestInfo, facts: ServerFacts) -> 
             return PromptFinding(False, f"prompt {prompt:,} + output {output:,} tokens stayed within the slot's "
                                         f"context of {context:,}: no context shift, and llama.cpp refuses a longer "
                                         "prompt")
+        if record.stop_reason == "length":
+            return PromptFinding(False, f"prompt {prompt:,} + output {output:,} tokens reached the slot's context of "
+                                        f"{context:,} and the answer stopped there for length: the context ended "
+                                        "it, no shift went on past it, and llama.cpp refuses a longer prompt")
     if record.truncated_flag is False:
         return PromptFinding(False, "llama.cpp says truncated: false (no context shift), and it refuses a prompt "
                                     "longer than a slot's context")
@@ -173,3 +177,28 @@ def length_cause_from_prompt(facts_kind: str, count: PromptCount, requested: int
         return "unknown", (f"{said} reaches the slot's context {context:,}: the context ends it first, unless a "
                            "context shift goes on past it, and llama.cpp does not say which")
     return "unknown", f"no budget rule is known for this server ({facts_kind})"
+
+
+def server_limit_detail(record: ResponseRecord) -> str:
+    """The numbers behind a length stop the server's limit caused (`server_limit`), as the record holds them."""
+    output, requested = record.output_tokens, record.requested_max_tokens
+    counted = "the server's count" if record.tokens_source == "usage" else "counted"
+    source = record.length_cause_source
+    if source == "server_finish":
+        said = f"the server says its context ended the answer (finish reason {record.finish_reason_raw!r})"
+    elif source == "no_budget":
+        said = "the request asked for no budget: the server's own limit (its default budget, or the context) ended it"
+    elif output is not None and requested is not None:
+        said = f"{output:,} output tokens ({counted}) stopped below the requested budget of {requested:,}"
+    else:
+        said = "the server ended the answer for length before the requested budget"
+    prompt, context = record.prompt_tokens, record.context_tokens
+    if prompt is not None and output is not None:
+        said += f"; prompt {prompt:,} + output {output:,} = {prompt + output:,} tokens"
+        if context:
+            said += f" of the {context:,}-token context one request gets"
+    elif context:
+        said += f"; the context one request gets is {context:,} tokens"
+    if source == "no_budget" and output is not None and prompt is None:
+        said += f"; {output:,} output tokens"
+    return said

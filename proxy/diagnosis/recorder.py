@@ -13,8 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.diagnosis.classify import WireFacts, classify
-from proxy.diagnosis.prompt_rules import PromptCount, context_of, length_cause_from_prompt, prompt_truncation
+from proxy.diagnosis.classify import WireFacts, classify, refusal_counts
+from proxy.diagnosis.prompt_rules import (
+    PromptCount,
+    context_of,
+    length_cause_from_prompt,
+    prompt_truncation,
+    server_limit_detail,
+)
 from proxy.diagnosis.stream_tally import StreamTally
 from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind, utf8_text
 from proxy.wire.byte_budget import UNLIMITED, ByteBudget
@@ -304,9 +310,16 @@ class Recorder:
             record.stop_detail = (f"the server generated nothing (done_reason {record.finish_reason_raw!r}): "
                                   + ("the chat has no user turn" if info.user_turn is False
                                      else "it treated the request as a model load"))
+        if record.upstream_error == "exceeds_context" and record.prompt_tokens is None:
+            counts = refusal_counts(record.upstream_error_detail)
+            if counts is not None:  # the server's refusal states the prompt's count and the context
+                record.prompt_tokens, record.prompt_tokens_source = counts[0], "server_error"
+                record.context_tokens = counts[1]
         self._fill_prompt(server)
         if record.length_cause_source == "request_unread":
             record.length_cause_detail = f"not decided: the request was not read ({info.body_note or 'no body'})"
+        elif record.length_cause == "server_limit" and record.length_cause_detail is None:
+            record.length_cause_detail = server_limit_detail(record)
         if self._client_gone:
             record.client_disconnected = True
             record.disconnect_phase = "before_first_token" if tally.first_token_at is None else "mid_stream"
@@ -321,7 +334,7 @@ class Recorder:
         record, info = self.record, self._info
         if not self.inference or not info.body_parsed:
             return
-        record.context_tokens = context_of(record, info, server)
+        record.context_tokens = context_of(record, info, server) or record.context_tokens
         finding = prompt_truncation(record, info, server)
         record.prompt_truncated, record.prompt_truncated_detail = finding.truncated, finding.detail
 

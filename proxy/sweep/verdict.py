@@ -99,8 +99,10 @@ def _context_shift_line(records: Sequence[ResponseRecord], server: ServerInfo | 
     if server is None or server.context_per_request is None:
         return None
     limit = server.context_per_request + CONTEXT_SLACK
+    # Answers only: a refusal's prompt count (an over-long prompt) is no context that was shifted.
     sums = [r.prompt_tokens + r.output_tokens for r in records
-            if r.prompt_tokens is not None and r.output_tokens is not None]
+            if r.prompt_tokens is not None and r.output_tokens is not None and r.upstream_error is None
+            and r.status is not None and 200 <= r.status < 300]
     past = [total for total in sums if total > limit]
     if not past:
         return None

@@ -117,8 +117,19 @@ def test_llamacpp_at_the_edge_of_its_context_is_read_from_its_flag() -> None:
     assert prompt_truncation(answered("llamacpp", **edge, truncated_flag=None), asked(10), LLAMACPP).truncated is None
     shifted = answered("llamacpp", **edge, truncated_flag=True, stop_reason="eos")
     assert prompt_truncation(shifted, asked(10), LLAMACPP).truncated is True
+    # A length stop at the context: without a shift llama.cpp stops when prompt + output + 1 reaches
+    # n_ctx (server-context.cpp, "stopped due to running out of context capacity"); a shift would have
+    # gone on past it. The context ended the answer, and the prompt was whole.
     ran_out = answered("llamacpp", **edge, truncated_flag=True, stop_reason="length")
-    assert prompt_truncation(ran_out, asked(10), LLAMACPP).truncated is None
+    assert prompt_truncation(ran_out, asked(10), LLAMACPP).truncated is False
+
+
+def test_llamacpp_length_stop_exactly_at_the_slots_context_is_no_prompt_cut() -> None:
+    at_context = answered("openai", prompt_tokens=200, output_tokens=56, stop_reason="length")  # 256 = the context
+    found = prompt_truncation(at_context, asked(10), LLAMACPP)
+    assert found.truncated is False and found.detail is not None and "the context ended it" in found.detail
+    ended_alone = answered("openai", prompt_tokens=200, output_tokens=56, stop_reason="eos")
+    assert prompt_truncation(ended_alone, asked(10), LLAMACPP).truncated is None
 
 
 def test_llamacpp_n_keep_minus_one_keeps_the_whole_prompt() -> None:

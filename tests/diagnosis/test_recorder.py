@@ -256,3 +256,42 @@ def test_a_streams_reads_wait_to_be_parsed_in_bounded_runs() -> None:
     assert not tally.pending
     record = recorder.finish(2.0)
     assert record.output_tokens == RUN_READS * 3 + 5 and not tally.pending
+
+
+def test_a_server_limit_stop_says_the_numbers_behind_it() -> None:
+    record = recorded("/v1/chat/completions", CHAT_BODY, openai_stream(10, "length", usage=True))
+    assert record.length_cause == "server_limit"
+    detail = record.length_cause_detail
+    assert detail is not None
+    assert "10 output tokens (the server's count) stopped below the requested budget of 64" in detail
+
+
+@pytest.mark.parametrize(("message", "fields", "prompt", "context"), [
+    # llama-server (tools/server/server-context.cpp; server-task.cpp adds n_prompt_tokens and n_ctx)
+    ("request (352 tokens) exceeds the available context size (256 tokens), try increasing it",
+     {"type": "exceed_context_size_error", "n_prompt_tokens": 352, "n_ctx": 256}, 352, 256),
+    # vLLM 0.32 (vllm/renderers/params.py, _token_len_check)
+    ("This model's maximum context length is 128 tokens. However, your prompt contains 300 input tokens, which "
+     "exceeds this limit even without any output tokens. Please reduce the length of the input prompt.",
+     {"type": "BadRequestError"}, 300, 128),
+    # SGLang (python/sglang/srt/managers/tokenizer_manager.py, _validate_one_request)
+    ("The input (5000 tokens) is longer than the model's context length (4096 tokens).", {}, 5000, 4096),
+    ("Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
+     "4596 tokens: 4096 tokens from the input messages and 500 tokens for the completion. Please reduce the number "
+     "of tokens in the input messages or the completion to fit within the limit.", {}, 4096, 4096),
+])
+def test_an_exceeds_context_refusal_gives_the_prompts_count_as_the_server_states_it(
+        message: str, fields: dict[str, object], prompt: int, context: int) -> None:
+    body = orjson.dumps({"error": {"code": 400, "message": message, **fields}})
+    record = recorded("/v1/chat/completions", CHAT_BODY, [body], content_type="application/json", status=400)
+    assert record.upstream_error == "exceeds_context"
+    assert (record.prompt_tokens, record.prompt_tokens_source, record.context_tokens) == (
+        prompt, "server_error", context)
+
+
+def test_a_lower_bound_in_a_refusal_is_not_taken_as_the_prompts_count() -> None:
+    message = ("This model's maximum context length is 128 tokens. However, your prompt contains at least 129 input "
+               "tokens, which exceeds this limit even without any output tokens.")
+    body = orjson.dumps({"error": {"code": 400, "message": message}})
+    record = recorded("/v1/chat/completions", CHAT_BODY, [body], content_type="application/json", status=400)
+    assert record.upstream_error == "exceeds_context" and record.prompt_tokens is None
