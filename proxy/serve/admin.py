@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import aiohttp
 import orjson
@@ -220,9 +221,11 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
                     ready: Callable[[], bool] = lambda: True, history: History | None = None,
                     allowed_hosts: frozenset[str] = frozenset(),
                     readers: AdminReaders | None = None, instance: str | None = None,
-                    before_read: Callable[[], None] | None = None) -> web.Application:
+                    before_read: Callable[[], None] | None = None,
+                    about: Callable[[], dict[str, Any]] | None = None) -> web.Application:
     """`before_read`: called before each answer (the records waiting for their batch delivered, so
-    that the metrics, the records and the history hold every answer that has ended)."""
+    that the metrics, the records and the history hold every answer that has ended). `about`: the
+    proxy's own addresses and what its upstream says of itself (`GET /api/about`)."""
     sessions = Sessions(token) if token else None
     readers = readers or AdminReaders()
 
@@ -313,7 +316,10 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         if by is not None and by not in BY:
             return _error(400, "bad_request", f"by is one of {', '.join(BY)}")
         since = time.time() - seconds
+        # The sweep it suggests goes through this proxy's own port, joined by this admin listener.
+        addresses = (about() if about is not None else {}).get("proxy", {})
         admin = f"{request.scheme}://{request.host}"
+        target = addresses.get("url") or "http://127.0.0.1:8080"
         asked = request.query.get("instance") or None
         if history is not None and history.up:
             # A fleet's shared history holds every replica's records, and a verdict mixes none of
@@ -321,7 +327,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             # that differs.
             shared = history.source.postgres and by is None and asked is None
             query = RecordQuery(since=since, instance=instance if shared else asked)
-            done = await read(request, "diagnose", history.source, query, min_per_level, admin, by)
+            done = await read(request, "diagnose", history.source, query, min_per_level, target, admin, by)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
@@ -332,7 +338,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         async def ring() -> list[bytes]:
             return await json_arrays([r for _, r in store.snapshot() if query.matches(r)])
 
-        done = await read(request, "diagnose", None, query, min_per_level, admin, by, blobs=ring)
+        done = await read(request, "diagnose", None, query, min_per_level, target, admin, by, blobs=ring)
         return _read_failed(done) if isinstance(done, AdminReadFailed) else done
 
     async def metrics_page(request: web.Request) -> web.Response:
@@ -395,6 +401,12 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")
         return _json(record.to_dict())
 
+    async def about_page(request: web.Request) -> web.Response:
+        """Where this proxy listens and what its server says of itself: what the sweep needs to
+        repeat a request through the proxy without asking the server anything through it (its own
+        reads would be records, metrics and, where the server answers 404, upstream errors)."""
+        return _json(about() if about is not None else {})
+
     async def no_server_version(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = "llm-diag-proxy"  # aiohttp's own names its version
 
@@ -406,6 +418,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
     app.on_response_prepare.append(no_server_version)
     app.router.add_get("/", page)
     app.router.add_get("/api/diagnose", diagnose)
+    app.router.add_get("/api/about", about_page)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

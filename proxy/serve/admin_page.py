@@ -111,12 +111,13 @@ async function verdict() {
     const head = document.createElement('strong'); head.textContent = 'A timeout in the path (' + t.side + ' side)';
     const text = document.createElement('p'); text.textContent = t.text; div.append(head, text); box.appendChild(div);
   }
-  for (const line of found.whose || []) {
+  const whose = () => { for (const line of found.whose || []) {
     const p = document.createElement('p'); p.className = 'muted whose'; p.textContent = line; box.appendChild(p);
-  }
+  } };
   if (!found.groups.length) {
-    const p = document.createElement('p'); p.textContent = found.note; box.appendChild(p); return;
+    const p = document.createElement('p'); p.textContent = found.note; box.appendChild(p); whose(); return;
   }
+  // The API lists the verdicts that need action first: a serving defect before a calm model.
   for (const g of found.groups) {
     const div = document.createElement('div'); div.className = 'verdict ' + g.verdict.kind;
     const head = document.createElement('strong');
@@ -125,10 +126,22 @@ async function verdict() {
     const note = document.createElement('p'); note.className = 'muted'; note.textContent = found.observational;
     const caption = document.createElement('p'); caption.className = 'muted';
     caption.textContent = 'answers that ended on their own, by the concurrency they saw:';
-    div.append(head, text, caption, chart(g.levels), note);
-    if (g.sweep) { const c = document.createElement('code'); c.textContent = g.sweep; div.append(c); }
+    div.append(head, text, caption, chart(g.levels));
+    if ((g.levels_left_out || []).length) {
+      const left = document.createElement('p'); left.className = 'muted thin-levels';
+      left.textContent = 'left out for too few records: ' +
+        g.levels_left_out.map(l => 'c=' + l.level + ' (' + l.n + (l.n === 1 ? ' record)' : ' records)')).join(', ');
+      div.append(left);
+    }
+    div.append(note);
+    if (g.sweep) {
+      const c = document.createElement('p'); c.className = 'muted';
+      c.textContent = 'To be sure it is the load, run the controlled sweep (the same request at each level):';
+      const code = document.createElement('code'); code.textContent = g.sweep; div.append(c, code);
+    }
     box.appendChild(div);
   }
+  whose();
 }
 load(); refresh(); verdict();
 if (state().get('record')) show(state().get('record'));

@@ -65,11 +65,11 @@ def history_page(source: HistorySource, query: RecordQuery) -> bytes:
                         default=str)
 
 
-def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: int, admin: str,
+def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: int, target: str, admin: str,
              by: str | None = None, blobs: Sequence[bytes] = ()) -> bytes:
     """The body of /api/diagnose: the records of the history that match `query` (or the ring's,
     sent as JSON arrays in `blobs`), grouped (`by` instance, upstream or model too) and judged as
-    `llm-diag-proxy diagnose` does."""
+    `llm-diag-proxy diagnose` does; the sweeps it suggests go through `target`, joined by `admin`."""
     from proxy.sweep.live import compare, groups_of, verdict_json
     from proxy.sweep.timeouts import repeated_cuts
     from proxy.sweep.whose import lines as whose_lines
@@ -81,7 +81,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
         records = [record_from_dict(item) for blob in blobs for item in orjson.loads(blob)]
     groups = groups_of(records, min_per_level=min_per_level, by=by)
     found = verdict_json(groups, since=query.since or 0.0, records=len(records), min_per_level=min_per_level,
-                         source="history" if source is not None else "memory", admin=admin)
+                         source="history" if source is not None else "memory", target=target, admin=admin)
     found["timeouts"] = [cut.to_dict() for cut in repeated_cuts(records)]
     found["whose"] = whose_lines(records)
     if query.instance is not None:

@@ -73,13 +73,17 @@ async def demo(args: argparse.Namespace) -> Verdict:
                   f"max_tokens {plan.max_tokens}, seed {plan.seed}\n", flush=True)
             outcome = await execute(plan, out_dir=args.out_dir, report_path=args.report,
                                     progress=not args.no_progress)
-            print(f"\nmetrics: {proxy.admin_url}/metrics\nrecords: {proxy.admin_url}/api/requests"
-                  f"?limit=20\nyour own server: llm-diag-proxy serve --upstream URL, then llm-diag-proxy "
-                  "sweep --target http://127.0.0.1:8080 --admin http://127.0.0.1:9464 --model NAME",
-                  flush=True)
-            if args.keep_running:
-                print("\n--keep-running: simulator and proxy stay up; Ctrl-C ends", flush=True)
-                await asyncio.Event().wait()
+            own = ("your own server: llm-diag-proxy serve --upstream URL, then llm-diag-proxy sweep --target "
+                   "http://127.0.0.1:8080 --admin http://127.0.0.1:9464 --model NAME")
+            if not args.keep_running:  # the listeners close with the demo: no address to visit is shown
+                print(f"\nthe demo's simulator and proxy stop now; to look at their /metrics, records and page "
+                      f"afterwards, run it with --keep-running\n{own}", flush=True)
+                return outcome.verdict
+            print(f"\n--keep-running: the simulator and the proxy stay up until Ctrl-C\n"
+                  f"  page:    {proxy.admin_url}/\n  metrics: {proxy.admin_url}/metrics\n"
+                  f"  records: {proxy.admin_url}/api/requests?limit=20\n  proxy:   {proxy.proxy_url} "
+                  f"(send your own requests, model {simulator_config.model})\n{own}", flush=True)
+            await asyncio.Event().wait()
             return outcome.verdict
         finally:
             await proxy.close()

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,6 +32,7 @@ from proxy.relay.upstream.pool import POOLED_IDLE_S
 from proxy.serve.admin import UpstreamProbe, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.wire.byte_budget import ByteBudget
+from proxy.wire.server_facts import ServerFacts
 
 T = TypeVar("T")
 _log = structlog.get_logger("llm_diag_proxy")
@@ -67,14 +68,14 @@ def proxy_application(config: ProxyConfig, observers: Delivery, concurrency: InF
 
 
 def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None], on_result: Callable[[str], None],
-                 ) -> ServerCheck:
+                 on_models: Callable[[Iterable[str]], None] = lambda names: None) -> ServerCheck:
     """What the proxy asks its upstream after each response (this process's share of the limits).
     `--upstream-metrics off` means the proxy sends its upstream nothing but the clients' requests:
     no probe of what server it is, no tokenizer call."""
     asks = config.upstream_metrics != "off"
     return open_server_check(config.upstream, config.upstream_authorization, deliver, probe=asks,
                              tokenizer=asks and config.server_tokenizer, limits=CheckLimits().share(config.workers),
-                             on_result=on_result)
+                             on_result=on_result, on_models=on_models)
 
 
 def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
@@ -88,6 +89,24 @@ def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
                       metrics=metrics, password=config.history_password, buffer=config.history_buffer)
     history.open()
     return history
+
+
+def about(config: ProxyConfig, proxy_url: Callable[[], str], admin_url: Callable[[], str],
+          facts: Callable[[], ServerFacts]) -> Callable[[], dict[str, Any]]:
+    """`/api/about`'s answer: this proxy's addresses, its name on records, its upstream and what the
+    upstream says of itself."""
+
+    def answer() -> dict[str, Any]:
+        return {"proxy": {"url": reachable_url(proxy_url()), "admin": reachable_url(admin_url()),
+                          "instance": config.instance, "upstream": config.upstream, "workers": config.workers},
+                "server": facts().to_dict()}
+
+    return answer
+
+
+def reachable_url(url: str) -> str:
+    """A listening URL as a client on this machine reaches it: a wildcard host (0.0.0.0, [::]) is loopback."""
+    return url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
 
 
 def history_shown(config: ProxyConfig) -> str:
@@ -132,13 +151,14 @@ class Observing:
         return cls(metrics, store, telemetry, history, tracer, delivery)
 
     def admin(self, config: ProxyConfig, session: aiohttp.ClientSession, ready: Callable[[], bool],
-              readers: AdminReaders | None = None) -> web.Application:
+              readers: AdminReaders | None = None,
+              about: Callable[[], dict[str, Any]] | None = None) -> web.Application:
         """The admin listener's application over these records (each answer after the records
         waiting for their batch are delivered)."""
         probe = UpstreamProbe(config.upstream, session, config.upstream_authorization)
         return build_admin_app(self.store, self.metrics, probe, config.admin_token, ready=ready,
                                history=self.history, allowed_hosts=config.admin_allowed_hosts, readers=readers,
-                               instance=config.instance, before_read=self.delivery.flush)
+                               instance=config.instance, before_read=self.delivery.flush, about=about)
 
     async def close(self) -> None:
         """Deliver the records still waiting for their batch; stop the pollers; write what the

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from proxy.config import CliError, ConfigError, flag_type, parse_duration, parse
 from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
 from proxy.sweep import export, table, timeouts, whose
-from proxy.sweep.live import BY, MIN_PER_LEVEL, OBSERVATIONAL, Group, compare, explain, groups_of
+from proxy.sweep.live import BY, MIN_PER_LEVEL, OBSERVATIONAL, Group, compare, explain, groups_of, needs_action_first
 from proxy.sweep.session import exit_code
 from proxy.sweep.stats import by_level
 from proxy.sweep.sweep_command import parse_verdicts
@@ -62,6 +64,31 @@ def default_history() -> str:
         raise CliError(f"{len(found)} proxies keep a history in {state_directory()} ({names}): "
                        f"pass --history with one of them, or --admin URL")
     return str(found[0])
+
+
+async def proxy_url(admin: str, token: str | None) -> str | None:
+    """The proxy port of the proxy whose admin listener is `admin` (its `/api/about`), or None."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                session.get(f"{admin}/api/about", headers=headers) as response:
+            about = orjson.loads(await response.read()) if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    url = about.get("proxy", {}).get("url") if isinstance(about, dict) else None
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+
+
+def target_of(records: list[ResponseRecord]) -> str:
+    """The proxy port that recorded most of `records`, from their `instance` (its default is the
+    host name and the listen port): loopback when that host is this machine."""
+    found = Counter(r.instance for r in records if r.instance)
+    if found:
+        host, _, port = found.most_common(1)[0][0].rpartition(":")
+        if port.isdigit() and host and all(c.isalnum() or c in ".-_" for c in host):
+            local = host in (socket.gethostname(), "localhost") or host.startswith("127.")
+            return f"http://{'127.0.0.1' if local else host}:{port}"
+    return "http://127.0.0.1:8080"
 
 
 async def from_admin(admin: str, token: str | None, since: float, until: float | None) -> list[ResponseRecord]:
@@ -117,8 +144,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--model", default=None, help="only this model")
     parser.add_argument("--min-per-level", type=flag_type(parse_positive_int), default=MIN_PER_LEVEL, metavar="N",
                         help="a concurrency level needs this many records to count (default %(default)s)")
-    parser.add_argument("--target", default="http://127.0.0.1:8080", metavar="URL",
-                        help="the proxy's URL, for the sweep command it suggests (default %(default)s)")
+    parser.add_argument("--target", default=None, metavar="URL",
+                        help="the proxy's URL, for the sweep command it suggests (default: with --admin, the port "
+                             "of that proxy; with --history, the proxy named on the records)")
     parser.add_argument("--out-dir", default=None, metavar="DIR",
                         help="write diagnose.json and diagnose.csv per group here (default: not written)")
     parser.add_argument("--report", default=None, metavar="FILE.html",
@@ -143,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         records = from_history(target, since, None, password)
         where = shown(target)
-    groups = groups_of(records, model=args.model, min_per_level=args.min_per_level, by=args.by)
-    admin = args.admin or "http://127.0.0.1:9464"
+    groups = needs_action_first(groups_of(records, model=args.model, min_per_level=args.min_per_level, by=args.by))
+    admin = args.admin  # without it (a history), the suggested sweep reads its own streams
+    sweep_target: str | None = args.target or (
+        asyncio.run(proxy_url(args.admin, args.admin_token)) if args.admin else None)
     out = sys.stdout
     out.write(f"llm-diag-proxy diagnose: {len(records)} records since "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} from {where}\n")
@@ -157,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
         return exit_code(Verdict("insufficient_data", "", None, None, False, (), ""), args.fail_on)
     code = 0
     for number, group in enumerate(groups):
+        through = sweep_target or target_of([s.record for s in group.samples])
         out.write(f"\n== {group.name()}: {len(group.samples)} answers\n{table.render(group.summaries)}\n\n"
-                  f"{group.verdict.text()}\n" + "\n".join(explain(group, args.target, admin)) + "\n")
+                  f"{group.verdict.text()}\n" + "\n".join(explain(group, through, admin)) + "\n")
         try:
             write_files(group, number, args, where, since)
         except OSError as exc:

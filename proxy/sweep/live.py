@@ -10,6 +10,8 @@ settle it comes with it.
 
 from __future__ import annotations
 
+import shlex
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +20,8 @@ from proxy.record import ResponseRecord, concurrency_bucket
 from proxy.sweep.sample import ClientMeasure, Sample
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import Verdict, decide
+from proxy.sweep.whose import NO_KEY
+from proxy.wire.server_facts import ServerInfo
 
 MIN_PER_LEVEL = 5
 OBSERVATIONAL = ("observational: these are live requests, which differ in prompt and in what they ask, and busy "
@@ -27,6 +31,10 @@ OBSERVATIONAL = ("observational: these are live requests, which differ in prompt
 
 BY = ("instance", "upstream", "client", "model")  # what `diagnose --by` compares
 NO_EFFECT = ("no_load_effect", "insufficient_data")
+# The sweep's dialect for a recorded one: llama.cpp's /completion is swept through its OpenAI route.
+SWEEP_DIALECT = {"openai": "openai", "ollama": "ollama", "anthropic": "anthropic", "responses": "responses",
+                 "llamacpp": "openai"}
+RECORDS_SOURCE = "the proxy's records (context_tokens)"
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Group:
     summaries: list[LevelSummary]
     verdict: Verdict
     scope: tuple[str, str] | None = None  # ("instance", its name) or ("upstream", its URL) with --by
+    thin_levels: tuple[tuple[int, int], ...] = ()  # (level, records) left out: fewer than min_per_level
 
     def name(self) -> str:
         where = f"{self.scope[0]} {self.scope[1]}, " if self.scope is not None else ""
@@ -52,7 +61,17 @@ def scope_of(record: ResponseRecord, by: str | None) -> str | None:
         return None
     value = {"model": record.model, "instance": record.instance, "upstream": record.upstream,
              "client": record.client}[by]
-    return value or "(none)"
+    return value or (NO_KEY if by == "client" else "(none)")
+
+
+def context_of_records(records: Sequence[ResponseRecord]) -> ServerInfo | None:
+    """The context one request got, as the records say it (`context_tokens`: the server's word, or
+    the request's own num_ctx), when most of them agree on one number."""
+    found = Counter(r.context_tokens for r in records if r.context_tokens)
+    if not found:
+        return None
+    context, count = found.most_common(1)[0]
+    return ServerInfo(RECORDS_SOURCE, context) if count * 2 > len(records) else None
 
 
 def budget_band(budget: int | None) -> str:
@@ -84,15 +103,18 @@ def groups_of(records: Sequence[ResponseRecord], *, model: str | None = None,
     for (scope, name, band), members in buckets.items():
         samples = [Sample(level_of(r), i, r.request_id, r, "proxy", ClientMeasure(status=r.status))
                    for i, r in enumerate(sorted(members, key=lambda r: r.started_at))]
-        levels = {level: group for level, group in by_level(samples).items() if len(group) >= min_per_level}
+        every = by_level(samples)
+        levels = {level: group for level, group in every.items() if len(group) >= min_per_level}
         if len(levels) < 2:
             continue
+        thin = tuple((level, len(group)) for level, group in sorted(every.items()) if level not in levels)
         kept = [s for group in levels.values() for s in group]
         # Live levels interleave in time: a level's "wall time" is no throughput measure here.
         summaries = [replace(s, wall_s=None, output_tokens_per_s=None, requests_per_s=None)
                      for s in summarize(kept)]
-        verdict = decide(summaries, by_level(kept))
-        found.append(Group(name, band, kept, summaries, verdict, (by, scope) if by and scope is not None else None))
+        verdict = decide(summaries, by_level(kept), server=context_of_records([s.record for s in kept]))
+        found.append(Group(name, band, kept, summaries, verdict, (by, scope) if by and scope is not None else None,
+                           thin))
     return sorted(found, key=lambda g: -len(g.samples))
 
 
@@ -128,18 +150,43 @@ def _effect(verdict: Verdict) -> str:
     return f"{verdict.kind}{cause}{onset}"
 
 
-def sweep_command(group: Group, target: str, admin: str) -> str:
-    """The controlled sweep that would settle what the live records suggest."""
-    budgets = sorted(r.record.requested_max_tokens for r in group.samples if r.record.requested_max_tokens)
-    budget = budgets[len(budgets) // 2] if budgets else 256
+def _median(values: Sequence[int]) -> int | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def sweep_command(group: Group, target: str, admin: str | None) -> str:
+    """The controlled sweep that would settle what the live records suggest: through the proxy that
+    recorded them, with the shape of the cut requests (model, dialect, prompt length, budget) at the
+    levels they saw."""
+    records = [s.record for s in group.samples]
+    cut = [r for r in records if r.outcome in ("cut", "unknown")] or records
+    budget = _median([r.requested_max_tokens for r in cut if r.requested_max_tokens]) or 256
+    prompt = _median([r.prompt_tokens for r in cut if r.prompt_tokens])
+    dialects = Counter(SWEEP_DIALECT.get(r.dialect, "openai") for r in cut)
+    dialect = dialects.most_common(1)[0][0] if dialects else "openai"
     levels = ",".join(str(s.level) for s in group.summaries)
-    return (f"llm-diag-proxy sweep --target {target} --admin {admin} --model {group.model} --max-tokens {budget} "
-            f"--levels {levels} --repeats 5")
+    parts = ["llm-diag-proxy sweep", f"--target {shlex.quote(target)}",
+             *([f"--admin {shlex.quote(admin)}"] if admin else []), f"--model {shlex.quote(group.model)}",
+             f"--dialect {dialect}", *([f"--prompt-tokens {prompt}"] if prompt else []), f"--max-tokens {budget}",
+             f"--levels {levels}", "--repeats 5"]
+    return " ".join(parts)
 
 
-def explain(group: Group, target: str, admin: str) -> list[str]:
+def level_note(group: Group) -> str | None:
+    """Which levels the verdict leaves out, and why: too few records to compare."""
+    if not group.thin_levels:
+        return None
+    left = ", ".join(f"c={level} ({n} record{'s' if n != 1 else ''})" for level, n in group.thin_levels)
+    return f"left out for too few records: {left}"
+
+
+def explain(group: Group, target: str, admin: str | None) -> list[str]:
     """What the verdict of live traffic can and cannot say."""
     lines = [f"  ({OBSERVATIONAL})"]
+    note = level_note(group)
+    if note is not None:
+        lines.append(f"  ({note})")
     if group.verdict.kind in ("no_load_effect", "insufficient_data"):
         return lines
     lines.append("  To be sure it is the load, run the controlled sweep (the same request at each level):")
@@ -147,9 +194,19 @@ def explain(group: Group, target: str, admin: str) -> list[str]:
     return lines
 
 
+ACTION_FIRST = {"serving_defect": 0, "policy": 1, "hidden_cap": 2, "baseline_truncation": 3, "length_shift": 4,
+                "batch_nondeterminism": 5, "no_load_effect": 6, "insufficient_data": 7}
+
+
+def needs_action_first(groups: Sequence[Group]) -> list[Group]:
+    """The groups whose verdict asks for action first (a serving defect before a calm model), the
+    largest first within each kind."""
+    return sorted(groups, key=lambda g: (ACTION_FIRST.get(g.verdict.kind, 5), -len(g.samples)))
+
+
 def verdict_json(groups: Sequence[Group], *, since: float, records: int, source: str, min_per_level: int,
-                 admin: str) -> dict[str, Any]:
-    """The verdict of live traffic as `/api/diagnose` answers it."""
+                 target: str, admin: str | None) -> dict[str, Any]:
+    """The verdict of live traffic as `/api/diagnose` answers it, the verdicts that need action first."""
     return {
         "since": since, "records": records, "source": source, "observational": OBSERVATIONAL,
         "note": ("no model and budget band has records at two concurrency levels with "
@@ -159,7 +216,7 @@ def verdict_json(groups: Sequence[Group], *, since: float, records: int, source:
                     "levels": [{"level": s.level, "n": s.n, "completion_rate": s.completion_rate,
                                 "output_tokens_median": s.output_tokens_median, "stop_counts": s.stop_counts}
                                for s in g.summaries],
+                    "levels_left_out": [{"level": level, "n": n} for level, n in g.thin_levels],
                     "verdict": g.verdict.to_dict(),
-                    "sweep": (None if g.verdict.kind in ("no_load_effect", "insufficient_data")
-                              else sweep_command(g, "http://127.0.0.1:8080", admin))}
-                   for g in groups]}
+                    "sweep": (None if g.verdict.kind in NO_EFFECT else sweep_command(g, target, admin))}
+                   for g in needs_action_first(groups)]}

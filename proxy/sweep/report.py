@@ -106,12 +106,17 @@ def charts(groups: Mapping[int, Sequence[Sample]], summaries: Sequence[LevelSumm
     return [tokens, completion, stops, throughput, latency, ttft, itl, scatter]
 
 
-def _table_html(summaries: Sequence[LevelSummary]) -> str:
+LIVE_LEVEL_HELP = ("concurrency: the bucket of the most requests in flight while each answer ran (live traffic, "
+                   "grouped after the fact: observational, not a controlled level)")
+
+
+def _table_html(summaries: Sequence[LevelSummary], live: bool = False) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row(s)) + "</tr>"
                    for s in summaries)
     note = f"<p>{html.escape(ESTIMATE_NOTE)}</p>" if any(s.tokens_counted for s in summaries) else ""
-    legend = "".join(f"<dt>{html.escape(column)}</dt><dd>{html.escape(COLUMN_HELP[column])}</dd>"
+    helps = {**COLUMN_HELP, **({"conc": LIVE_LEVEL_HELP} if live else {})}
+    legend = "".join(f"<dt>{html.escape(column)}</dt><dd>{html.escape(helps[column])}</dd>"
                      for column in COLUMNS)
     return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
             f'<dl class="legend">{legend}</dl>')
@@ -172,8 +177,10 @@ def render(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
                                                 div_id=f"chart-{i}", config=PLOT_CONFIG) + "</div>"
         for i, figure in enumerate(charts(groups, summaries)))
     settings = ", ".join(f"{k}={v}" for k, v in plan.items() if k not in ("prompt", "admin_token", "run"))
+    live = str(plan.get("kind", "")).startswith("diagnose")
+    title = "Live traffic by concurrency (observational)" if live else "Concurrency sweep"
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>llm-diag-proxy concurrency sweep</title>
+<html lang="en"><head><meta charset="utf-8"><title>llm-diag-proxy: {title.lower()}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; font-size: 13px; margin: 1em 0; }}
@@ -190,13 +197,13 @@ dl.legend dt {{ font-weight: 600; }} dl.legend dd {{ margin: 0 0 0.4em 1em; }}
 </style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
-<h1>Concurrency sweep</h1>
+<h1>{title}</h1>
 {_metadata_html(plan)}
 <p class="settings">{html.escape(settings)}</p>
 {_verdict_html(verdict)}
 {_rates_html(plan)}
-<h2>{"By the concurrency each request met" if plan.get("rates_summary") else "Per level"}</h2>
-{_table_html(summaries)}
+<h2>{"By the concurrency each request met" if plan.get("rates_summary") or live else "Per level"}</h2>
+{_table_html(summaries, live)}
 <h2>Charts</h2>
 {figures}
 </body></html>

@@ -10,12 +10,14 @@ Every request is the same body: prompt, budget, seed, temperature; only concurre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -27,7 +29,7 @@ from proxy.record import record_from_dict
 from proxy.sweep.answer_text import AnswerText
 from proxy.sweep.open_loop import arrivals
 from proxy.sweep.sample import ClientMeasure, Sample
-from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
+from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo, facts_from_dict
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
 SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]
@@ -37,6 +39,15 @@ PROBE_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
 JOIN_RETRY_S = 0.05
 REQUEST_ID = "X-Request-Id"
+PROXY_HEADER = "X-LLM-Diag-Concurrency"  # what every answer through llm-diag-proxy carries
+# Words that are one token each (with the space before them) in the usual tokenizers (Llama, Qwen,
+# Mistral, GPT's): a prompt of N of them is about N tokens, whatever the model.
+PROMPT_WORDS = ("the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "was", "with", "as", "at",
+                "by", "from", "this", "be", "are", "or", "one", "all", "but", "not", "what", "when", "can",
+                "there", "more", "about", "time", "people", "water", "world", "day", "house", "city", "year")
+PROMPT_INSTRUCTION = "Write a long story that uses these words:"
+PROMPT_OVERHEAD_TOKENS = 20  # the instruction and a chat template's own tokens, about
+CALIBRATION_ROUNDS = 3  # requests at most that set a synthetic prompt's words by the server's counts
 
 
 class SweepError(Exception):
@@ -64,6 +75,8 @@ class SweepPlan:
     arrivals: Literal["constant", "poisson"] = "constant"
     rate_seconds: float = 30.0  # how long each rate sends
     slo: str | None = None  # goodput's targets, as --slo gives them (`ttft=500ms,itl=50ms,e2e=30s`)
+    prompt_tokens: int | None = None  # --prompt-tokens: a synthetic prompt of about this many tokens
+    prompt_words: int | None = None  # the words of that prompt, once the server's counts have set them
 
     @property
     def path(self) -> str:
@@ -85,9 +98,28 @@ class SweepPlan:
         return plan
 
 
+def synthetic_prompt(words: int) -> str:
+    """`--prompt-tokens`'s prompt: a short instruction and `words` common words, one token each in the
+    usual tokenizers. It repeats the length of prompts the proxy recorded without their text, which the
+    proxy never keeps; the sweep sets the number of words by the server's own counts (`calibrate`), and
+    each record says what the server counted (prompt_tokens)."""
+    return " ".join((PROMPT_INSTRUCTION, *(PROMPT_WORDS[n % len(PROMPT_WORDS)] for n in range(max(1, words)))))
+
+
+def prompt_words(plan: SweepPlan) -> int:
+    """The words of the synthetic prompt: as calibrated, else a first guess (a template's tokens allowed for)."""
+    assert plan.prompt_tokens is not None
+    return plan.prompt_words if plan.prompt_words is not None else max(1, plan.prompt_tokens - PROMPT_OVERHEAD_TOKENS)
+
+
+def prompt_of(plan: SweepPlan) -> str:
+    return plan.prompt if plan.prompt_tokens is None else synthetic_prompt(prompt_words(plan))
+
+
 def request_body(plan: SweepPlan) -> bytes:
     """The one request body every response of the sweep answers, in the plan's dialect."""
-    messages = [{"role": "user", "content": plan.prompt}]
+    prompt = prompt_of(plan)
+    messages = [{"role": "user", "content": prompt}]
     body: dict[str, Any]
     if plan.dialect == "ollama":
         body = {"model": plan.model, "messages": messages, "stream": True,
@@ -97,7 +129,7 @@ def request_body(plan: SweepPlan) -> bytes:
         body = {"model": plan.model, "messages": messages, "max_tokens": plan.max_tokens,
                 "temperature": plan.temperature, "stream": True}
     elif plan.dialect == "responses":
-        body = {"model": plan.model, "input": plan.prompt, "max_output_tokens": plan.max_tokens,
+        body = {"model": plan.model, "input": prompt, "max_output_tokens": plan.max_tokens,
                 "temperature": plan.temperature, "stream": True}
     else:
         body = {"model": plan.model, "messages": messages, "max_tokens": plan.max_tokens,
@@ -129,6 +161,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     recorder.concurrency(in_flight, in_flight, float(in_flight))
     t0 = time.monotonic()
     status: int | None = None
+    via_proxy = False
     error: str | None = None
     text = AnswerText(plan.dialect)
     try:
@@ -138,6 +171,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
                 headers[REQUEST_ID] = request_id
             async with session.post(plan.target + plan.path, data=body, headers=headers) as response:
                 status = response.status
+                via_proxy = PROXY_HEADER in response.headers
                 request_id = response.headers.get(REQUEST_ID) or request_id
                 recorder.known_as(request_id)
                 # aiohttp has already undone any Content-Encoding, so the parser sees plain bytes.
@@ -164,7 +198,7 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
     measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
                             itl_p95_s=record.itl_p95_s, chunks=recorder.tally.tokens,
                             duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error,
-                            answer_hash=text.digest())
+                            answer_hash=text.digest(), via_proxy=via_proxy)
     query = recorder.tokenizer_query()
     if query is not None and server.tokenizer is not None and plan.admin is None:
         await settle_now(server.tokenizer, record, query, server.facts)  # the proxy's record settles itself
@@ -269,6 +303,39 @@ async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples:
     await asyncio.gather(*(join(s) for s in samples))
 
 
+async def listening(url: str, what: str) -> None:
+    """Fail early with one line when nothing listens at a URL's host and port. A connection, and no
+    request: an HTTP probe through the proxy would be a record, a metric and, where the server
+    answers 404, an upstream error, all of the sweep's own making."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(parts.hostname, port)
+    except (OSError, TimeoutError) as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise SweepError(f"cannot reach the {what} at {url}: {reason}") from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> ServerFacts:
+    """What the proxy behind `--admin` knows of its server (`GET /api/about`): the server is never
+    asked through the proxy. Unknown when the proxy cannot say (an older one, an error)."""
+    assert plan.admin is not None
+    headers = {"Authorization": f"Bearer {plan.admin_token}"} if plan.admin_token else {}
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S), session.get(plan.admin + "/api/about",
+                                                                 headers=headers) as response:
+            if response.status != 200:
+                return UNKNOWN_SERVER
+            about = orjson.loads(await response.read())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return UNKNOWN_SERVER
+    return facts_from_dict(about.get("server") if isinstance(about, dict) else None)
+
+
 async def probe(session: aiohttp.ClientSession, url: str, what: str, headers: dict[str, str]) -> None:
     """Fail early with one line when a URL cannot be reached at all (any HTTP answer is fine)."""
     try:
@@ -287,10 +354,21 @@ class SweepRun:
     samples: list[Sample]
     server: ServerInfo | None = None
     notes: list[str] = field(default_factory=list)
+    plan: SweepPlan | None = None  # the plan as it ran (a synthetic prompt's length set after the warm-up)
 
 
-async def warm_up(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, notes: list[str]) -> bool:
-    """The unrecorded first requests; returns whether requests may carry X-Request-Id.
+@dataclass(frozen=True, slots=True)
+class WarmedUp:
+    """What the warm-up showed: whether requests may carry X-Request-Id, and whether the target is
+    llm-diag-proxy (then the sweep asks the server nothing through it)."""
+
+    send_id: bool = True
+    via_proxy: bool = False
+    prompt_tokens: int | None = None  # the server's count of the last warm-up's prompt, where it said
+
+
+async def warm_up(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, notes: list[str]) -> WarmedUp:
+    """The unrecorded first requests (recorded by a proxy in between like any request).
 
     A refused connection ends the sweep. A 4xx that is not about the context means the request
     itself is wrong (model, dialect): one line, with the server's own reason. A server that refuses
@@ -298,10 +376,12 @@ async def warm_up(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, 
     request too large for the server's context is no mistake of the flags but a finding: the
     sweep goes on, and the verdict reports it.
     """
-    send_id = True
+    send_id, via_proxy, counted = True, False, None
     for number in range(plan.warmup):
         warm = await send_one(session, plan, body, str(uuid.uuid4()), 0, number, 1, send_id=send_id)
+        via_proxy = via_proxy or warm.client.via_proxy
         record = warm.record
+        counted = record.prompt_tokens if record.prompt_tokens_source in ("usage", "server_error") else counted
         if record.upstream_error == "connect":
             raise SweepError(f"cannot reach the target at {plan.target}: {warm.client.error}")
         status = record.status or 0
@@ -317,7 +397,58 @@ async def warm_up(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes, 
         reason = record.upstream_error_detail or f"HTTP {status} with no reason given"
         raise SweepError(f"the target refused the sweep's request (POST {plan.target}{plan.path}): "
                          f"{reason[:200]}; check --model and --dialect")
-    return send_id
+    return WarmedUp(send_id, via_proxy, counted)
+
+
+async def calibrate(session: aiohttp.ClientSession, plan: SweepPlan, counted: int | None, send_id: bool,
+                    notes: list[str]) -> SweepPlan:
+    """`--prompt-tokens N`: the synthetic prompt's words set so that the server counts N tokens, whatever
+    its tokenizer and chat template (a word is one token in the usual tokenizers, several in a
+    character-level one). `counted` is the server's count of the warm-up's prompt; each further round is
+    one more request (recorded by a proxy in between like any), at most CALIBRATION_ROUNDS. A server
+    that says no count (an OpenAI stream without usage, no refusal) leaves the first guess."""
+    assert plan.prompt_tokens is not None
+    target, words = plan.prompt_tokens, prompt_words(plan)
+    seen: list[tuple[int, int]] = []  # (words, tokens counted)
+    for round_ in range(CALIBRATION_ROUNDS + 1):
+        if counted is None:
+            notes.append(f"the server said no prompt count: the synthetic prompt is {words:,} words, about "
+                         f"{target:,} tokens in the usual tokenizers")
+            break
+        seen.append((words, counted))
+        if abs(counted - target) <= max(2, target // 50) or round_ == CALIBRATION_ROUNDS:
+            notes.append(f"the synthetic prompt of {words:,} words is {counted:,} tokens by the server's count "
+                         f"(asked: {target:,})")
+            break
+        if len(seen) >= 2 and seen[-1][0] != seen[-2][0] and seen[-1][1] != seen[-2][1]:
+            (w0, t0), (w1, t1) = seen[-2], seen[-1]  # tokens are linear in words: the secant through both
+            words = max(1, round(w1 + (target - t1) * (w1 - w0) / (t1 - t0)))
+        else:
+            words = max(1, round(words * target / max(counted, 1)))
+        plan = replace(plan, prompt_words=words)
+        probe = await send_one(session, plan, request_body(plan), str(uuid.uuid4()), 0, round_, 1, send_id=send_id)
+        record = probe.record
+        counted = record.prompt_tokens if record.prompt_tokens_source in ("usage", "server_error") else None
+    return replace(plan, prompt_words=words)
+
+
+async def server_side(session: aiohttp.ClientSession, plan: SweepPlan, warmed: WarmedUp,
+                      notes: list[str]) -> tuple[ServerInfo | None, ServerSide]:
+    """What the server says of its context, and its tokenizer when the sweep reads responses itself.
+    Through a proxy the server is asked nothing: the proxy's `--admin` says what it knows (and its
+    records are settled by its own tokenizer). A server swept directly is asked as the proxy asks it."""
+    if plan.admin is not None:
+        facts = await read_about(session, plan)
+        return facts.info_for(plan.model), ServerSide(facts)
+    if warmed.via_proxy:
+        notes.append("the target is llm-diag-proxy: without --admin the sweep asks the server nothing through it, "
+                     "so its context is not named and counted length stops stay open; pass --admin")
+        return None, ServerSide()
+    # After the warm-up: a llama.cpp router has loaded the model by then, and only a loaded model's
+    # context can be read (a state read never loads one).
+    info = await read_server_info(session, plan.target, plan.model)
+    facts = await read_server_facts(session, plan.target, (plan.model,))
+    return info, ServerSide(facts, ServerTokenizer(session, plan.target))
 
 
 async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = lambda level: None,
@@ -329,16 +460,16 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
     connector = aiohttp.TCPConnector(limit=0 if plan.open_loop else max(plan.levels), force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await probe(session, plan.target + "/", "target", {})
+        await listening(plan.target, "target")
         if plan.admin is not None:
             await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
         run = SweepRun([])
-        send_id = await warm_up(session, plan, request_body(plan), run.notes)
-        # After the warm-up: a llama.cpp router has loaded the model by then, and only a loaded
-        # model's context can be read (a state read never loads one).
-        run.server = await read_server_info(session, plan.target, plan.model)
-        facts = await read_server_facts(session, plan.target, (plan.model,))
-        server = ServerSide(facts, ServerTokenizer(session, plan.target))
+        warmed = await warm_up(session, plan, request_body(plan), run.notes)
+        send_id = warmed.send_id
+        if plan.prompt_tokens is not None:
+            plan = await calibrate(session, plan, warmed.prompt_tokens, send_id, run.notes)
+        run.plan = plan
+        run.server, server = await server_side(session, plan, warmed, run.notes)
         for number, step in enumerate(plan.rates or plan.levels):
             on_level_start(number if plan.open_loop else int(step))
             t0 = time.monotonic()

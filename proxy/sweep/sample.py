@@ -25,6 +25,7 @@ class ClientMeasure:
     sent_s: float = 0.0  # when it was sent, in seconds from the start of its level
     rate: float | None = None  # the arrival rate it was sent at (an open-loop sweep), requests per second
     answer_hash: str | None = None  # SHA-256 (16 hex) of the visible text the client got; the text is not kept
+    via_proxy: bool = False  # the answer came through llm-diag-proxy (it carried X-LLM-Diag-Concurrency)
 
 
 @dataclass(slots=True)

@@ -69,6 +69,7 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
     finally:
         bar.close()
     samples = run.samples
+    plan = run.plan or plan
     summaries, verdict = analyse(samples, plan, run.server)
     described = {**plan.to_dict(), "server": run.server.to_dict() if run.server is not None else None,
                  "run": run_metadata(plan, run.server)}

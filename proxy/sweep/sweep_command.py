@@ -46,6 +46,16 @@ def parse_integer(value: str) -> int:
         raise ConfigError(f"invalid integer {value!r}") from None
 
 
+MAX_PROMPT_TOKENS = 1_000_000
+
+
+def parse_prompt_tokens(value: str) -> int:
+    number = parse_integer(value)
+    if not 1 <= number <= MAX_PROMPT_TOKENS:
+        raise ConfigError(f"invalid prompt length {value!r}: expected 1 to {MAX_PROMPT_TOKENS:,} tokens")
+    return number
+
+
 def parse_temperature(value: str) -> float:
     try:
         number = float(value)
@@ -77,6 +87,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per in-flight slot: level L sends L x repeats requests "
                              "(default %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the one prompt every request sends")
+    parser.add_argument("--prompt-tokens", type=flag_type(parse_prompt_tokens), default=None, metavar="N",
+                        help="instead of --prompt: a synthetic prompt of about N tokens (words that are one token "
+                             "each), to repeat the length of recorded prompts, which the proxy never keeps")
     parser.add_argument("--max-tokens", type=flag_type(parse_positive_int), default=256,
                         help="requested output budget per request (default %(default)s)")
     parser.add_argument("--seed", type=flag_type(parse_integer), default=42,
@@ -145,7 +158,8 @@ def plan_from_args(args: argparse.Namespace, target: str, admin: str | None, mod
                      dialect=cast(SweepDialect, dialect if dialect in SWEEP_DIALECTS else "openai"),
                      timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1),
                      rates=getattr(args, "rates", None) or (), arrivals=getattr(args, "arrivals", "constant"),
-                     rate_seconds=getattr(args, "rate_seconds", 30.0), slo=_slo_text(getattr(args, "slo", None)))
+                     rate_seconds=getattr(args, "rate_seconds", 30.0), slo=_slo_text(getattr(args, "slo", None)),
+                     prompt_tokens=getattr(args, "prompt_tokens", None))
 
 
 def _slo_text(slo: Slo | None) -> str | None:

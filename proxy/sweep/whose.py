@@ -17,6 +17,7 @@ from typing import Any
 from proxy.record import ResponseRecord
 
 TOP = 5
+NO_KEY = "(no API key)"  # requests that carried no key (and no --client-header value) to name a client by
 MAX_PAIRS = 2_000_000  # overlaps looked at, at most: the cut answers are taken newest first
 
 
@@ -25,8 +26,8 @@ def whose(records: Sequence[ResponseRecord]) -> dict[str, Any] | None:
     named = [r for r in records if r.outcome != "not_inference"]
     if not any(r.client for r in named):
         return None
-    sent: Counter[str] = Counter(r.client or "(none)" for r in named)
-    cut: Counter[str] = Counter(r.client or "(none)" for r in named if r.outcome == "cut")
+    sent: Counter[str] = Counter(r.client or NO_KEY for r in named)
+    cut: Counter[str] = Counter(r.client or NO_KEY for r in named if r.outcome == "cut")
     by_start = sorted(named, key=lambda r: r.started_at)
     starts = [r.started_at for r in by_start]
     longest = max((r.duration_s for r in by_start), default=0.0)
@@ -40,7 +41,7 @@ def whose(records: Sequence[ResponseRecord]) -> dict[str, Any] | None:
         looked += high - low
         for other in by_start[low:high]:
             if other is not victim and other.started_at + other.duration_s > victim.started_at:
-                held[other.client or "(none)"] += 1
+                held[other.client or NO_KEY] += 1
         if looked > MAX_PAIRS:
             break
     total_held = sum(held.values())

@@ -82,7 +82,33 @@ class ServerFacts:
         return None
 
 
+    def to_dict(self) -> dict[str, Any]:
+        """As the admin API's `/api/about` says it (`facts_from_dict` reads it back)."""
+        return {"kind": self.kind, "router": self.router, "version": self.version,
+                "default": self.default.to_dict() if self.default is not None else None,
+                "models": {name: info.to_dict() for name, info in self.by_model.items()}}
+
+
 UNKNOWN_SERVER = ServerFacts("unknown")
+_KINDS = frozenset(("llamacpp", "vllm", "sglang", "ollama"))
+
+
+def _info_from(value: Any) -> ServerInfo | None:
+    if not isinstance(value, dict) or not isinstance(value.get("source"), str):
+        return None
+    return ServerInfo(value["source"][:80], _int(value.get("context_per_request")), _int(value.get("slots")))
+
+
+def facts_from_dict(value: Any) -> ServerFacts:
+    """`ServerFacts.to_dict()` read back (a proxy's `/api/about`); what is not of its shape is left out."""
+    if not isinstance(value, dict) or value.get("kind") not in _KINDS:
+        return UNKNOWN_SERVER
+    models = value.get("models")
+    by_model = {name[:200]: info for name, entry in (models.items() if isinstance(models, dict) else ())
+                if isinstance(name, str) and (info := _info_from(entry)) is not None}
+    version = value.get("version")
+    return ServerFacts(value["kind"], _info_from(value.get("default")), by_model, router=value.get("router") is True,
+                       version=version[:40] if isinstance(version, str) else None)
 
 
 def _int(value: Any) -> int | None:

@@ -53,6 +53,8 @@ def test_demo_verdict_names_the_mechanism_the_simulator_was_set_to(
     assert line.startswith(verdict) and named in line, stdout
     assert "(records joined from the proxy: 18 of 18)" in stdout
     assert "Traceback" not in stderr
+    # Without --keep-running its listeners are gone when it ends: it names no address to visit.
+    assert not re.search(r"http://127\.0\.0\.1:\d+/metrics", stdout) and "run it with --keep-running" in stdout
 
 
 def test_demo_with_defaults_prints_table_verdict_and_keeps_metrics_up_until_interrupted() -> None:
@@ -64,13 +66,14 @@ def test_demo_with_defaults_prints_table_verdict_and_keeps_metrics_up_until_inte
         lines: list[str] = []
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("--keep-running"):
+            if line.lstrip().startswith("proxy:"):  # the last address it names
                 break
         out = "".join(lines)
         assert "scenario 'clamp', hidden from the sweep" in out
         assert re.search(r"^ +8 +24 ", out, re.MULTILINE)  # concurrency 8: 8 slots x 3 requests
         assert "VERDICT (serving_defect): answers are cut by length:server_limit" in out
-        found = re.search(r"^metrics: (http://127\.0\.0\.1:\d+/metrics)$", out, re.MULTILINE)
+        assert "--keep-running: the simulator and the proxy stay up until Ctrl-C" in out
+        found = re.search(r"^  metrics: (http://127\.0\.0\.1:\d+/metrics)$", out, re.MULTILINE)
         assert found is not None, out
         with urllib.request.urlopen(found.group(1), timeout=10) as response:
             text = response.read().decode()

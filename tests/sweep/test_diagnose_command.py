@@ -87,7 +87,8 @@ def test_the_command_prints_the_table_the_verdict_the_caveat_and_the_sweep_to_ru
     data = orjson.loads((tmp_path / "diagnose.json").read_bytes())
     assert data["plan"]["kind"] == "diagnose (observational)" and data["verdict"]["kind"] == "serving_defect"
     assert (tmp_path / "diagnose.csv").read_text().startswith("level,index,request_id")
-    assert "Concurrency sweep" in (tmp_path / "report.html").read_text()
+    page = (tmp_path / "report.html").read_text()
+    assert "Live traffic by concurrency (observational)" in page and "<h1>Concurrency sweep</h1>" not in page
     healthy, _ = histories["healthy"]
     quiet = subprocess.run([sys.executable, "-m", "proxy", "diagnose", "--history", str(healthy),
                             "--min-per-level", "2", "--fail-on", "serving_defect,policy"],

@@ -117,7 +117,7 @@ async def test_warmup_requests_are_sent_but_not_recorded(load: LoadUpstream) -> 
 
 
 async def test_a_target_that_is_down_is_one_clear_error() -> None:
-    with pytest.raises(SweepError, match=r"^cannot reach the target at http://127\.0\.0\.1:9/: "):
+    with pytest.raises(SweepError, match=r"^cannot reach the target at http://127\.0\.0\.1:9: "):
         await run_sweep(plan("http://127.0.0.1:9"))
 
 

@@ -57,7 +57,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(args: list[str], message: str) -> Non
 def test_a_target_that_is_down_is_one_line_and_exit_2() -> None:
     result = cli("sweep", "--target", "http://127.0.0.1:9", "--model", "m", "--no-progress")
     assert result.returncode == 2
-    assert result.stderr.startswith("llm-diag-proxy: error: cannot reach the target at http://127.0.0.1:9/: ")
+    assert result.stderr.startswith("llm-diag-proxy: error: cannot reach the target at http://127.0.0.1:9: ")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
