@@ -82,9 +82,24 @@ cmake -S "${SRC_DIR}" -B "${BUILD_DIR}" \
     >"${CACHE_DIR}/configure.log" 2>&1 \
     || { tail -n 40 "${CACHE_DIR}/configure.log" >&2; exit 1; }
 
+# CMake's build lines start with "[ NN%]": each step of 5 % goes to stderr with the time so far, so a
+# build of ten minutes or more says where it is (the whole output stays in the log).
+progress() {
+    local shown=-1 line percent
+    while IFS= read -r line; do
+        if [[ "${line}" =~ ^\[[[:space:]]*([0-9]+)%\] ]]; then
+            percent=${BASH_REMATCH[1]}
+            if (( percent / 5 > shown )); then
+                shown=$(( percent / 5 ))
+                log "compiling: ${percent} % after $(( $(date +%s) - started )) s"
+            fi
+        fi
+    done
+}
+
 log "compiling llama-server and mtmd with -j${JOBS} at nice ${NICE} (log: ${CACHE_DIR}/build.log)"
-nice -n "${NICE}" cmake --build "${BUILD_DIR}" --config Release --target llama-server mtmd -j "${JOBS}" \
-    >"${CACHE_DIR}/build.log" 2>&1 \
+nice -n "${NICE}" cmake --build "${BUILD_DIR}" --config Release --target llama-server mtmd -j "${JOBS}" 2>&1 \
+    | tee "${CACHE_DIR}/build.log" | progress \
     || { tail -n 40 "${CACHE_DIR}/build.log" >&2; exit 1; }
 
 log "built in $(( $(date +%s) - started )) s: $("${BINARY}" --version 2>&1 | tr '\n' ' ')"
