@@ -20,6 +20,9 @@ from types import TracebackType
 from typing import Any
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Slots of the state processes share (in-flight counts, parse bytes, tokenizer calls): slot 0 is a
+# single process's (or the supervisor's), slot 1 + i worker i's (--workers is at most 64).
+OWNERS = 65
 
 
 class ProcessLock:

@@ -1,5 +1,5 @@
 """The folders are the architecture: imports run one way (serve -> relay / sweep -> diagnosis ->
-wire / observers -> record / config), with no circle, drawn here from the code's own imports."""
+wire / servers / observers -> record / config), with no circle, drawn here from the code's own imports."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ LEAVES = {"proxy", "record", "config", "processes"}  # `proxy` itself: its __ini
 ALLOWED: dict[str, set[str]] = {
     "record": set(), "config": set(), "processes": set(),
     "wire": {"record", "config", "processes"},
-    "observers": {"record", "config", "processes", "wire"},
-    "diagnosis": {"record", "config", "processes", "wire", "observers"},
-    "relay": {"record", "config", "processes", "wire", "observers", "diagnosis"},
-    "sweep": {"record", "config", "processes", "wire", "observers", "diagnosis"},
+    "servers": {"record", "config", "processes", "wire"},
+    "observers": {"record", "config", "processes", "wire", "servers"},
+    "diagnosis": {"record", "config", "processes", "wire", "servers", "observers"},
+    "relay": {"record", "config", "processes", "wire", "servers", "observers", "diagnosis"},
+    "sweep": {"record", "config", "processes", "wire", "servers", "observers", "diagnosis"},
     "simulator": {"config"},
-    "serve": {"record", "config", "processes", "wire", "observers", "diagnosis", "relay", "sweep", "simulator"},
+    "serve": {"record", "config", "processes", "wire", "servers", "observers", "diagnosis", "relay", "sweep",
+              "simulator"},
     "__main__": {"serve"},
 }
 # What the relay must know nothing of (DEVELOPERS.md): metrics, NVML, dialects, classification.

@@ -11,10 +11,8 @@ port, so its calls are never client traffic in the records, the metrics or the h
   or `POST /tokenize`. The server's own budget rule then decides the cause (proxy.diagnosis.prompt_rules).
 
 A record that waits for the tokenizer reaches the observers once, with its final cause
-(`ServerCheck`). All of it is bounded: a queue of QUEUE_MAX records holding at most QUEUE_BYTES of
-request bodies, at most IN_FLIGHT calls at once, RATE_PER_S calls a second, TIMEOUT_S each. A
-record that does not fit, a server without a tokenizer, or one that fails or is too slow, keeps
-`unknown` with a note that says why. No client byte ever waits for any of it.
+(`ServerCheck`, through a bounded `TokenizerQueue`: its bounds, its gate on the calls and its
+breaker are there). Every answer is read whole, or to a cap. No client byte ever waits for any of it.
 """
 
 from __future__ import annotations
@@ -22,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,8 +30,18 @@ import structlog
 from proxy.diagnosis.prompt_rules import PromptCount
 from proxy.diagnosis.recorder import Recorder, TokenizerQuery
 from proxy.diagnosis.server_reads import READ_TIMEOUT_S, read_server_facts
+from proxy.diagnosis.tokenizer_queue import (
+    DEFAULT_LIMITS,
+    TIMEOUT_S,
+    CallGate,
+    CountsPrompts,
+    QueueLimits,
+    TokenizerQueue,
+    TokenizerUnavailable,
+)
 from proxy.record import ResponseRecord
-from proxy.wire.dialects.base import as_int
+from proxy.servers.answers import AnswerTooLarge, read_whole
+from proxy.wire.dialects.base import as_count
 from proxy.wire.parsers import load_json
 from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, contexts_text
 
@@ -44,43 +50,12 @@ _log = structlog.get_logger("llm_diag_proxy.server")
 FACTS_REFRESH_S = 60.0
 FACTS_RETRY_S = 5.0  # while the server is not known yet, or the last probe failed
 MAX_MODELS_ASKED = 64  # models a llama.cpp router is asked about, at most
-QUEUE_MAX = 1_000
-QUEUE_BYTES = 32 * 1024 * 1024
-IN_FLIGHT = 2
-RATE_PER_S = 20.0
-TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 16 * 1024 * 1024  # a tokenizer answers with every token id: a prompt's worth
 # Fields of a chat request that vLLM's chat template sees but /tokenize takes only as template kwargs
 # (vllm/entrypoints/openai/chat_completion/protocol.py, build_chat_params).
 _VLLM_TEMPLATE_KWARGS = ("documents", "reasoning_effort")
 _VLLM_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
                      "chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
-
-
-class TokenizerUnavailable(Exception):
-    """The server's tokenizer could not count the prompt; the message says why, in a few words."""
-
-    def __init__(self, reason: str, result: str = "failed") -> None:
-        super().__init__(reason)
-        self.result = result  # for the metric: unavailable | failed | timeout
-
-
-@dataclass(frozen=True, slots=True)
-class CheckLimits:
-    """How much the proxy asks of its upstream's tokenizer (one process's share, with --workers)."""
-
-    queue_max: int = QUEUE_MAX
-    queue_bytes: int = QUEUE_BYTES
-    in_flight: int = IN_FLIGHT
-    rate_per_s: float = RATE_PER_S
-    timeout_s: float = TIMEOUT_S
-
-    def share(self, workers: int) -> CheckLimits:
-        """This process's part when `workers` processes ask the same server."""
-        if workers <= 1:
-            return self
-        return CheckLimits(max(1, self.queue_max // workers), max(1 << 20, self.queue_bytes // workers),
-                           max(1, self.in_flight // workers), self.rate_per_s / workers, self.timeout_s)
 
 
 class ServerFactsProbe:
@@ -169,9 +144,11 @@ class ServerTokenizer:
             try:
                 async with self._session.post(self._base + path, data=body, headers=headers,
                                               allow_redirects=False) as response:
-                    answer = await response.content.read(MAX_ANSWER_BYTES + 1)
                     status = response.status
+                    answer = await read_whole(response, MAX_ANSWER_BYTES)  # however many reads it takes
                 break
+            except AnswerTooLarge:
+                raise TokenizerUnavailable(f"POST {path}: answer over {MAX_ANSWER_BYTES} bytes") from None
             except TimeoutError:
                 raise TokenizerUnavailable(f"POST {path} timed out", "timeout") from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -183,8 +160,6 @@ class ServerTokenizer:
             raise TokenizerUnavailable(f"POST {path} answered 404", "unavailable")
         if status != 200:
             raise TokenizerUnavailable(f"POST {path} answered {status}")
-        if len(answer) > MAX_ANSWER_BYTES:
-            raise TokenizerUnavailable(f"POST {path}: answer over {MAX_ANSWER_BYTES} bytes")
         try:
             return load_json(answer)
         except ValueError:
@@ -209,7 +184,7 @@ class ServerTokenizer:
             exact = "response_format" not in request and request.get("tool_choice") in (None, "auto", "none")
         else:
             prompt = request.get("prompt")
-            if isinstance(prompt, list) and prompt and all(as_int(t) is not None for t in prompt):
+            if isinstance(prompt, list) and prompt and all(as_count(t) is not None for t in prompt):
                 return PromptCount(len(prompt), _context(facts, query.model), "the request's own token ids")
             if not isinstance(prompt, str):
                 raise TokenizerUnavailable("a batch of prompts is not counted", "unavailable")
@@ -218,11 +193,12 @@ class ServerTokenizer:
         if query.model is not None:
             payload["model"] = query.model
         answer = await self._post("/tokenize", payload, headers)
-        count = as_int(answer.get("count")) if isinstance(answer, dict) else None
-        context = as_int(answer.get("max_model_len")) if isinstance(answer, dict) else None
-        if count is None:
+        count = as_count(answer.get("count")) if isinstance(answer, dict) else None
+        context = as_count(answer.get("max_model_len")) if isinstance(answer, dict) else None
+        if count is None:  # (a negative or absurd count is none)
             raise TokenizerUnavailable("POST /tokenize answered without a count")
-        return PromptCount(count, context or _context(facts, query.model), "vLLM POST /tokenize", exact)
+        return PromptCount(count, (context if context else None) or _context(facts, query.model), "vLLM POST /tokenize",
+                           exact)
 
     async def _llamacpp(self, query: TokenizerQuery, request: dict[str, Any], facts: ServerFacts,
                         headers: dict[str, str]) -> PromptCount:
@@ -233,7 +209,7 @@ class ServerTokenizer:
         context = _context(facts, query.model)
         if query.route in ("/v1/chat/completions", "/chat/completions"):
             answer = await self._post(query.route + "/input_tokens" + suffix, query.body, headers)
-            count = as_int(answer.get("input_tokens")) if isinstance(answer, dict) else None
+            count = as_count(answer.get("input_tokens")) if isinstance(answer, dict) else None
             if count is None:
                 raise TokenizerUnavailable(f"POST {query.route}/input_tokens answered without input_tokens")
             return PromptCount(count, context, f"llama.cpp POST {query.route}/input_tokens")
@@ -270,52 +246,36 @@ def _context(facts: ServerFacts, model: str | None) -> int | None:
     return info.context_per_request if info is not None else None
 
 
-@dataclass(slots=True)
-class _Waiting:
-    record: ResponseRecord
-    query: TokenizerQuery
-    authorization: str | None
-    size: int
-
-
 class ServerCheck:
-    """Holds each record that needs the server's tokenizer until it answers (bounded), then hands it
-    on; every other record passes straight through `deliver`."""
+    """What the proxy asks its server after each response: who the server is (the probe, always
+    fresh), and for the records that need it, the tokenizer (a bounded queue). Every other record
+    passes straight through `deliver`."""
 
-    def __init__(self, probe: ServerFactsProbe, tokenizer: ServerTokenizer | None,
-                 deliver: Callable[[ResponseRecord], None], limits: CheckLimits = CheckLimits(),
+    def __init__(self, probe: ServerFactsProbe, tokenizer: CountsPrompts | None,
+                 deliver: Callable[[ResponseRecord], None], limits: QueueLimits = DEFAULT_LIMITS,
                  on_result: Callable[[str], None] = lambda result: None,
-                 clock: Callable[[], float] = time.monotonic, session: aiohttp.ClientSession | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, session: aiohttp.ClientSession | None = None,
+                 on_lost: Callable[[], None] = lambda: None, gate: CallGate | None = None) -> None:
         self.probe = probe
         self._session = session  # closed with the check, when it owns one
         self._probing: asyncio.Task[None] | None = None
-        self._tokenizer = tokenizer
         self._deliver = deliver
-        self._limits = limits
         self._on_result = on_result
-        self._clock = clock
-        self._queue: deque[_Waiting] = deque()
-        self._bytes = 0
-        self._wake = asyncio.Event()
-        self._workers: list[asyncio.Task[None]] = []
-        self._allowance = float(max(1.0, limits.rate_per_s))
-        self._refilled = clock()
         self._closed = False
-        self._busy = 0  # records a worker is asking about now
-        self._logged: set[str] = set()
+        self.queue = None if tokenizer is None else TokenizerQueue(
+            tokenizer, lambda: self.probe.facts, deliver, limits, gate=gate,
+            facts_known=probe.asked if probe.enabled else None, on_result=on_result, on_lost=on_lost, clock=clock)
 
     @property
     def facts(self) -> ServerFacts:
         return self.probe.facts
 
     def start(self) -> None:
-        """Start probing the server and, when its tokenizer is asked, the workers that ask it."""
-        loop = asyncio.get_running_loop()
+        """Start probing the server and, when its tokenizer is asked, the queue's workers."""
         if self.probe.enabled:
-            self._probing = loop.create_task(self.probe.run(), name="server-facts")
-        if self._tokenizer is not None:
-            self._workers = [loop.create_task(self._work(), name=f"server-tokenizer-{i}")
-                             for i in range(self._limits.in_flight)]
+            self._probing = asyncio.get_running_loop().create_task(self.probe.run(), name="server-facts")
+        if self.queue is not None:
+            self.queue.start()
 
     def finished(self, record: ResponseRecord, query: TokenizerQuery | None,
                  authorization: str | None = None) -> None:
@@ -323,114 +283,38 @@ class ServerCheck:
         if query is None:
             self._deliver(record)
             return
-        if self._tokenizer is None or self._closed:
-            self._give_up(record, query, "the server's tokenizer is not asked (--server-tokenizer off)"
-                          if self._tokenizer is None else "the proxy is stopping", "skipped")
+        if self.queue is None:
+            Recorder.settle_length(record, query, self.facts.kind, None,
+                                   "not decided: the server's tokenizer is not asked (--server-tokenizer off)")
+            self._on_result("skipped")
+            self._deliver(record)
             return
-        size = len(query.body)
-        if len(self._queue) >= self._limits.queue_max or self._bytes + size > self._limits.queue_bytes:
-            self._give_up(record, query, "too many records were waiting for the server's tokenizer", "dropped")
-            return
-        self._queue.append(_Waiting(record, query, authorization, size))
-        self._bytes += size
-        self._wake.set()
-
-    def _give_up(self, record: ResponseRecord, query: TokenizerQuery, why: str, result: str) -> None:
-        Recorder.settle_length(record, query, self.facts.kind, None, f"not decided: {why}")
-        self._on_result(result)
-        self._deliver(record)
-
-    async def _take(self) -> _Waiting:
-        while not self._queue:
-            self._wake.clear()
-            await self._wake.wait()
-        waiting = self._queue.popleft()
-        self._bytes -= waiting.size
-        return waiting
-
-    async def _pace(self) -> None:
-        """A token bucket: RATE_PER_S calls a second, in bursts of at most one second's worth."""
-        rate = self._limits.rate_per_s
-        while True:
-            now = self._clock()
-            self._allowance = min(max(1.0, rate), self._allowance + (now - self._refilled) * rate)
-            self._refilled = now
-            if self._allowance >= 1.0:
-                self._allowance -= 1.0
-                return
-            await asyncio.sleep((1.0 - self._allowance) / rate)
-
-    async def _work(self) -> None:
-        assert self._tokenizer is not None
-        while True:
-            waiting = await self._take()
-            self._busy += 1
-            try:
-                await self._pace()
-                try:
-                    async with asyncio.timeout(self._limits.timeout_s):
-                        if self.probe.enabled:  # a record that came before the first probe answered
-                            await self.probe.asked.wait()
-                        facts = self.facts
-                        count = await self._tokenizer.count(waiting.query, facts, waiting.authorization)
-                except TimeoutError:
-                    raise TokenizerUnavailable(f"no answer within {self._limits.timeout_s:g} s", "timeout") from None
-                Recorder.settle_length(waiting.record, waiting.query, facts.kind, count, None)
-                self._on_result("decided" if waiting.record.length_cause != "unknown" else "undecided")
-            except TokenizerUnavailable as exc:
-                self._note_failure(exc)
-                Recorder.settle_length(waiting.record, waiting.query, self.facts.kind, None,
-                                       f"not decided: the server's tokenizer could not count the prompt: {exc}")
-                self._on_result(exc.result)
-            except asyncio.CancelledError:
-                Recorder.settle_length(waiting.record, waiting.query, self.facts.kind, None,
-                                       "not decided: the proxy stopped before the server's tokenizer answered")
-                self._on_result("skipped")
-                self._deliver(waiting.record)
-                raise
-            finally:
-                self._busy -= 1
-            self._deliver(waiting.record)
-
-    def _note_failure(self, exc: TokenizerUnavailable) -> None:
-        """One log line per kind of failure, not one per record."""
-        key = str(exc).split(":")[0][:80]
-        if key not in self._logged and len(self._logged) < 32:
-            self._logged.add(key)
-            _log.warning("server_tokenizer_unavailable", reason=str(exc)[:200],
-                         note="length stops whose tokens were only counted keep the cause unknown")
+        self.queue.put(record, query, authorization)
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Stop taking records; give those in flight `timeout_s`, then hand on every one left, undecided."""
         self._closed = True
-        deadline = self._clock() + timeout_s
-        while (self._queue or self._busy) and self._workers and self._clock() < deadline:
-            await asyncio.sleep(0.02)
-        tasks = [*self._workers, *([self._probing] if self._probing is not None else [])]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        if self.queue is not None:
+            await self.queue.close(timeout_s)
+        if self._probing is not None:
+            self._probing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._workers, self._probing = [], None
-        while self._queue:
-            waiting = self._queue.popleft()
-            self._bytes -= waiting.size
-            self._give_up(waiting.record, waiting.query, "the proxy stopped before the server's tokenizer answered",
-                          "skipped")
+                await self._probing
+            self._probing = None
         if self._session is not None:
             await self._session.close()
             self._session = None
 
 
 def open_server_check(upstream: str, authorization: str | None, deliver: Callable[[ResponseRecord], None], *,
-                      probe: bool = True, tokenizer: bool = True, limits: CheckLimits = CheckLimits(),
+                      probe: bool = True, tokenizer: bool = True, limits: QueueLimits = DEFAULT_LIMITS,
                       on_result: Callable[[str], None] = lambda result: None,
-                      on_models: Callable[[Iterable[str]], None] = lambda names: None) -> ServerCheck:
+                      on_models: Callable[[Iterable[str]], None] = lambda names: None,
+                      on_lost: Callable[[], None] = lambda: None, gate: CallGate | None = None) -> ServerCheck:
     """A check of `upstream` with a connection pool of its own (call inside the event loop, then `start`);
     without `probe` it never asks the server anything, and its facts stay unknown."""
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(limits.timeout_s, READ_TIMEOUT_S)),
                                     headers={"Authorization": authorization} if authorization else None)
     facts = ServerFactsProbe(session, upstream, enabled=probe, on_models=on_models)
     asker = ServerTokenizer(session, upstream) if tokenizer and probe else None
-    return ServerCheck(facts, asker, deliver, limits, on_result, session=session)
+    return ServerCheck(facts, asker, deliver, limits, on_result, session=session, on_lost=on_lost, gate=gate)

@@ -11,6 +11,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
+from proxy.servers.answers import AnswerTooLarge, read_whole
 from proxy.wire.server_facts import (
     UNKNOWN_SERVER,
     ServerFacts,
@@ -31,13 +32,15 @@ ROUTER_MODELS_MAX = 16  # a llama.cpp router's models asked about, at most
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    """The JSON of a whole answer (however many reads it comes in), or None: any other status, an
+    answer over MAX_BODY_BYTES, not JSON, or no whole answer within READ_TIMEOUT_S."""
     try:
         async with asyncio.timeout(READ_TIMEOUT_S), session.get(url, allow_redirects=False) as response:
             if response.status != 200:
                 return None
-            body = await response.content.read(MAX_BODY_BYTES)
+            body = await read_whole(response, MAX_BODY_BYTES)
         return orjson.loads(body)
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, AnswerTooLarge, orjson.JSONDecodeError, ValueError):
         return None
 
 

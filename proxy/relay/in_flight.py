@@ -20,10 +20,9 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from proxy.processes import ProcessLock
+from proxy.processes import OWNERS, ProcessLock
 
 RING = 1 << 16  # admissions remembered for the peak; a request that outlives more sees the last RING
-OWNERS = 65  # slot 0: a single process (or the supervisor); slot 1 + i: worker i (--workers is at most 64)
 _INTEGRAL, _LAST_CHANGE, _ADMISSIONS = range(3)
 
 

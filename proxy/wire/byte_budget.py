@@ -11,9 +11,7 @@ import contextlib
 from array import array
 from typing import Any
 
-from proxy.processes import ProcessLock
-
-OWNERS = 65  # slot 0: a single process; slot 1 + i: worker i (as proxy.relay.in_flight)
+from proxy.processes import OWNERS, ProcessLock
 
 
 class ByteBudget:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.telemetry.samples import SampleRing
+from proxy.servers.answers import AnswerTooLarge, read_whole
 from proxy.wire.server_facts import is_llamacpp_router, router_loaded_models
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
@@ -292,13 +293,13 @@ class UpstreamPoller:
     async def _get(self, path: str) -> bytes:
         url = self.upstream + path
         try:
+            # (the session's total timeout bounds the request and the whole read)
             async with self.session.get(url, allow_redirects=False) as resp:
-                body = await resp.content.read(MAX_BODY_BYTES + 1)
                 if resp.status != 200:
                     raise UpstreamFetchError(f"http_{resp.status}", f"GET {path} answered {resp.status}")
-                if len(body) > MAX_BODY_BYTES:
-                    raise UpstreamFetchError("too_large", f"GET {path} body over {MAX_BODY_BYTES} bytes")
-                return body
+                return await read_whole(resp, MAX_BODY_BYTES)  # (a page in several reads is read whole)
+        except AnswerTooLarge:
+            raise UpstreamFetchError("too_large", f"GET {path} body over {MAX_BODY_BYTES} bytes") from None
         except TimeoutError:
             raise UpstreamFetchError("timeout", f"GET {path} timed out") from None
         except aiohttp.ClientError as exc:
