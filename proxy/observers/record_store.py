@@ -52,6 +52,7 @@ class RecordQuery:
 class Page:
     records: list[ResponseRecord]
     next_cursor: int | None  # None: this was the last page
+    skipped: int = 0  # rows of the history that hold no record this version can read (counted, left out)
 
 
 class RecordStore(Observer):

@@ -61,8 +61,8 @@ def history_page(source: HistorySource, query: RecordQuery) -> bytes:
     """One page of /api/requests from the history, as the whole JSON body."""
     page = source.backend().page(query)
     return orjson.dumps({"count": len(page.records), "source": "history", "history": source.shown,
-                         "records": [r.to_dict() for r in page.records], "next_cursor": page.next_cursor},
-                        default=str)
+                         "records": [r.to_dict() for r in page.records], "next_cursor": page.next_cursor,
+                         **({"skipped": page.skipped} if page.skipped else {})}, default=str)
 
 
 def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: int, target: str, admin: str,
@@ -75,13 +75,18 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     from proxy.sweep.whose import lines as whose_lines
 
     records: list[ResponseRecord]
+    skipped = 0
     if source is not None:
-        records = list(source.backend().iterate(query, 50_000))
+        backend = source.backend()
+        records = list(backend.iterate(query, 50_000))
+        skipped = backend.skipped[0]
     else:
         records = [record_from_dict(item) for blob in blobs for item in orjson.loads(blob)]
     groups = groups_of(records, min_per_level=min_per_level, by=by)
     found = verdict_json(groups, since=query.since or 0.0, records=len(records), min_per_level=min_per_level,
                          source="history" if source is not None else "memory", target=target, admin=admin)
+    if skipped:  # rows no record can be read from (another version's, or damaged): left out, said
+        found["skipped"] = skipped
     found["timeouts"] = [cut.to_dict() for cut in repeated_cuts(records)]
     found["whose"] = whose_lines(records)
     if query.instance is not None:

@@ -43,7 +43,12 @@ def from_history(target: str, since: float, until: float | None, password: str |
     if not source.postgres and not Path(target).exists():
         raise CliError(f"no history database at {target} (the proxy's --history)")
     try:
-        return list(source.backend().iterate(RecordQuery(since=since, until=until), MAX_RECORDS))
+        backend = source.backend()
+        records = list(backend.iterate(RecordQuery(since=since, until=until), MAX_RECORDS))
+        if backend.skipped[0]:
+            sys.stderr.write(f"llm-diag-proxy diagnose: {backend.skipped[0]} rows of the history hold no record this "
+                             "version can read (another version's, or damaged): left out\n")
+        return records
     except HistoryError as exc:
         raise CliError(str(exc)) from None
     except Exception as exc:  # a file that is no database, and friends: one line, not a traceback

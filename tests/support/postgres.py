@@ -12,6 +12,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -76,6 +77,28 @@ class PostgresServer:
 
     def stop(self, mode: str = "fast") -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def processes(self) -> list[int]:
+        """The server's processes: the postmaster (its pid file's first line) and its children."""
+        main = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == main:
+                        children.append(int(entry.name))
+        return [main, *children]
+
+    def freeze(self) -> None:
+        """Stop every process of the server (SIGSTOP): its kernel still accepts and acknowledges, nothing answers."""
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def url(self, password: str | None = PASSWORD, database: str = DATABASE) -> str:
         secret = f":{password}" if password is not None else ""

@@ -56,6 +56,7 @@ class Backend(Protocol):
 
     shown: str  # where it is, as it may be shown (a URL's password replaced by ***)
     reconnects: bool  # True: when it cannot be opened, the writer keeps trying (a server may come back)
+    skipped: list[int]  # [rows iterated that hold no record this version can read]
 
     def connect(self) -> None:
         """Open the writer's connection and make the schema; Unavailable or Rejected when it cannot."""
@@ -73,6 +74,10 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Close the writer's connection (safe to call when it is not open)."""
+        ...
+
+    def abort(self) -> None:
+        """From another thread: end at once whatever the writer waits on (a server that never answers)."""
         ...
 
     def page(self, query: RecordQuery) -> Page:
@@ -163,13 +168,31 @@ class Queries:
 
 
 def page_from_rows(rows: list[tuple[int, Any]], limit: int) -> Page:
-    """A page from `limit + 1` rows of (seq, body), newest first: the extra row says another page follows."""
-    records = [record_from_body(body) for _, body in rows[:limit]]
-    return Page(records, rows[limit - 1][0] if len(rows) > limit else None)
+    """A page from `limit + 1` rows of (seq, body), newest first: the extra row says another page follows.
+    A row that holds no record this version can read is left out and counted (`skipped`)."""
+    found = [record_from_body(body) for _, body in rows[:limit]]
+    records = [record for record in found if record is not None]
+    return Page(records, rows[limit - 1][0] if len(rows) > limit else None, len(found) - len(records))
 
 
-def record_from_body(body: Any) -> ResponseRecord:
-    """A record from its stored body (JSON bytes or text, or a dict a driver already decoded)."""
-    from proxy.record import record_from_dict
+def record_from_body(body: Any) -> ResponseRecord | None:
+    """A record from its stored body (JSON bytes or text, or a dict a driver already decoded), as far
+    as this version can read it (`record_from_stored`); None for a row that holds no record."""
+    from proxy.record import record_from_stored
 
-    return record_from_dict(body if isinstance(body, dict) else orjson.loads(body))
+    if isinstance(body, dict):
+        return record_from_stored(body)
+    try:
+        return record_from_stored(orjson.loads(body))
+    except (orjson.JSONDecodeError, TypeError):
+        return None
+
+
+def records_of(bodies: Iterator[Any], skipped: list[int]) -> Iterator[ResponseRecord]:
+    """The records of stored bodies, those no record can be read from counted in `skipped[0]`."""
+    for body in bodies:
+        record = record_from_body(body)
+        if record is None:
+            skipped[0] += 1
+        else:
+            yield record

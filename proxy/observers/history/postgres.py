@@ -15,7 +15,10 @@ with `***`. Retention is by age: each proxy deletes what is older than its `--hi
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,14 +36,20 @@ from proxy.observers.history.backend import (
     Unavailable,
     page_from_rows,
     record_from_body,
+    records_of,
 )
 from proxy.observers.record_store import Page, RecordQuery
 from proxy.record import ResponseRecord, concurrency_bucket
 
 TABLE = "llm_diag_records"
 SCHEMA_LOCK = 0x6C6C6D64  # pg_advisory_xact_lock key: one proxy makes the schema at a time
-CONNECT_TIMEOUT_S = 5
-STATEMENT_TIMEOUT_MS = 30_000  # a write or a delete that hangs longer is given up (and retried)
+CONNECT_TIMEOUT_S = 5  # libpq's: the connection and its startup, a server that accepts and never answers included
+STATEMENT_TIMEOUT_MS = 30_000  # the server's own bound on a write or a delete (and retried)
+# The client's own bound on each operation: a server whose processes are stopped (its kernel still
+# accepts and acknowledges) never answers, and its statement_timeout cannot fire there. Past it the
+# connection's socket is shut: libpq fails the call at once, and the writer reconnects with backoff.
+WRITE_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 120.0
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -84,11 +93,14 @@ class PostgresBackend:
 
     reconnects = True  # a server that is down, restarting or refusing now may answer later
 
-    def __init__(self, url: str, password: str | None = None) -> None:
+    def __init__(self, url: str, password: str | None = None, write_timeout_s: float = WRITE_TIMEOUT_S,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.url = url
         self.shown = redact_url(url)
         self._password = password
         self._connection: psycopg.Connection[Any] | None = None
+        self.write_timeout_s, self.read_timeout_s = write_timeout_s, read_timeout_s
+        self.skipped = [0]  # rows read that hold no record this version can read
 
     def _connect(self, **options: Any) -> psycopg.Connection[Any]:
         extra: dict[str, Any] = {"password": self._password} if self._password is not None else {}
@@ -110,7 +122,7 @@ class PostgresBackend:
         self.close()
         try:
             connection = self._connect(options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}")
-            with connection.transaction():
+            with deadline(connection, self.write_timeout_s), connection.transaction():
                 connection.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
                 connection.execute(SCHEMA)
                 connection.execute(MAKE_STAGE)
@@ -124,7 +136,8 @@ class PostgresBackend:
         assert self._connection is not None
         data = copy_data(records, bodies)
         try:
-            with self._connection.transaction(), self._connection.cursor() as cursor:
+            with deadline(self._connection, self.write_timeout_s), self._connection.transaction(), \
+                    self._connection.cursor() as cursor:
                 with cursor.copy(COPY) as copy:
                     copy.write(data)
                 cursor.execute(INSERT)
@@ -138,7 +151,7 @@ class PostgresBackend:
             self.connect()
         assert self._connection is not None
         try:
-            with self._connection.transaction():
+            with deadline(self._connection, self.write_timeout_s), self._connection.transaction():
                 self._connection.execute(f"DELETE FROM {TABLE} WHERE started_at < %s", (time.time() - max_age_s,))
         except psycopg.Error as exc:
             raise self._failure(exc) from None
@@ -148,6 +161,11 @@ class PostgresBackend:
             with contextlib.suppress(psycopg.Error):
                 self._connection.close()
             self._connection = None
+
+    def abort(self) -> None:
+        """From another thread: end whatever the writer's connection is waiting for, at once."""
+        if self._connection is not None:
+            cut(self._connection)
 
     def _failure(self, exc: psycopg.Error) -> Unavailable | Rejected:
         """Unavailable for what may pass (the server down, restarting, refusing the login, slow, or
@@ -166,7 +184,8 @@ class PostgresBackend:
             raise HistoryReadError(f"cannot read the history at {self.shown}: {self._safe(exc)}") from None
         try:
             connection.read_only = True
-            yield connection
+            with deadline(connection, self.read_timeout_s):
+                yield connection
         except psycopg.Error as exc:
             raise HistoryReadError(f"cannot read the history at {self.shown}: {self._safe(exc)}") from None
         finally:
@@ -187,8 +206,7 @@ class PostgresBackend:
         with self._reader() as connection, connection.transaction(), connection.cursor(name="records") as cursor:
             cursor.itersize = 2000  # a server-side cursor: 200,000 records are not held at once
             cursor.execute(*QUERIES.iterate(query, limit))
-            for (body,) in cursor:
-                yield record_from_body(body)
+            yield from records_of((body for (body,) in cursor), self.skipped)
 
     def count(self) -> int:
         with self._reader() as connection:
@@ -199,6 +217,27 @@ class PostgresBackend:
         with self._reader() as connection:
             row = connection.execute("SELECT pg_total_relation_size(%s)", (TABLE,)).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
+
+
+def cut(connection: psycopg.Connection[Any]) -> None:
+    """Shut a connection's socket (from any thread): a libpq call blocked on it fails at once."""
+    with contextlib.suppress(OSError, psycopg.Error, ValueError):
+        fileno = connection.pgconn.socket
+        with socket.socket(fileno=os.dup(fileno)) as handle:
+            handle.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def deadline(connection: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
+    """The client's own bound on what runs inside: past `seconds`, the connection's socket is shut
+    (`cut`) and the blocked call fails with an OperationalError, read as Unavailable."""
+    timer = threading.Timer(seconds, cut, (connection,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _password_of(url: str) -> str | None:

@@ -21,6 +21,7 @@ from proxy.observers.history.backend import (
     Rejected,
     page_from_rows,
     record_from_body,
+    records_of,
     rows_of,
 )
 from proxy.observers.record_store import Page, RecordQuery
@@ -71,6 +72,7 @@ class SQLiteBackend:
         self.shown = path
         self._page_limit = page_limit  # SQLite's max_page_count: a full disk, for tests
         self._connection: sqlite3.Connection | None = None
+        self.skipped = [0]  # rows read that hold no record this version can read
 
     # --- the writer -----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -135,6 +137,9 @@ class SQLiteBackend:
                 self._connection.close()
             self._connection = None
 
+    def abort(self) -> None:
+        """Nothing to end from outside: a write to a local file does not wait on another party."""
+
     def _writer(self) -> sqlite3.Connection:
         if self._connection is None:
             self.connect()
@@ -167,8 +172,8 @@ class SQLiteBackend:
 
     def iterate(self, query: RecordQuery, limit: int) -> Iterator[ResponseRecord]:
         with self._reader() as connection:
-            for (body,) in connection.execute(*QUERIES.iterate(query, limit)):
-                yield record_from_body(body)
+            yield from records_of((body for (body,) in connection.execute(*QUERIES.iterate(query, limit))),
+                                  self.skipped)
 
     def count(self) -> int:
         with self._reader() as connection:

@@ -41,6 +41,7 @@ FLUSH_S = 0.2  # the longest a record waits before its batch is written
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 SETTLE_S = 2.0  # the longest a listing waits for the records before it to be written
+ABORT_WAIT_S = 1.0  # at shutdown, after a write that hangs was cut: the writer's time to give up
 
 
 class History(Observer):
@@ -95,17 +96,24 @@ class History(Observer):
         return connected
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write what is buffered (bounded by `timeout_s`) and stop the writer; what could not be
-        written by then is counted as dropped."""
+        """Write what is buffered (bounded by `timeout_s`) and stop the writer; a write still waiting on
+        the database then is cut short. What could not be written is counted as dropped and said in one
+        log line, with the number."""
         if self._thread is None:
             return
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # a database that does not answer: end the write it waits on
+            self.backend.abort()
+            self._thread.join(ABORT_WAIT_S)
         self._thread = None
         left = self._handed - self._settled
         if left > 0:
             self._dropped(left)
+            _log.error("history_records_lost", history=self.shown, records=left,
+                       note=f"the history could not take them within {timeout_s:g} s of the shutdown; they are "
+                            "counted in llm_proxy_history_dropped_total")
 
     # --- the observer -------------------------------------------------------------------------
     def on_response(self, record: ResponseRecord) -> None:
@@ -158,12 +166,14 @@ class History(Observer):
                     connected = False
                     self._failed("history_write_failed", str(exc))
                     continue
-                except Rejected as exc:
-                    self._done(0, len(batch))
-                    self._failed("history_write_failed", str(exc))
-                except Exception as exc:  # not the database's doing: counted and said, and the writer goes on
-                    self._done(0, len(batch))
-                    self._failed("history_write_failed", f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # refused (Rejected), or not the database's doing: one at a time
+                    written = self._one_by_one(batch)
+                    self._done(written, len(batch) - written)
+                    if written < len(batch):
+                        self._failed("history_write_failed", str(exc) if isinstance(exc, Rejected)
+                                     else f"{type(exc).__name__}: {exc}")
+                    else:
+                        self._recovered()
                 else:
                     self._done(len(batch), 0)
                     self._recovered()
@@ -178,6 +188,22 @@ class History(Observer):
             if stopping:
                 break
         self.backend.close()
+
+    def _one_by_one(self, batch: list[tuple[ResponseRecord, dict[str, Any]]]) -> int:
+        """A batch the database refused, written one record at a time: one bad record costs only
+        itself, not the other clients' records beside it. Returns how many were written."""
+        if len(batch) == 1:
+            return 0
+        written = 0
+        for record, body in batch:
+            try:
+                self.backend.write([record], [body])
+            except Unavailable:
+                return written  # (the rest: counted with the batch; the writer reconnects on its next one)
+            except Exception:  # this record's own fault: counted with the batch's dropped
+                continue
+            written += 1
+        return written
 
     def _collect(self) -> tuple[list[tuple[ResponseRecord, dict[str, Any]]], bool]:
         """The next batch: what is buffered after FLUSH_S (or at once when woken: a full batch, a

@@ -180,8 +180,9 @@ async def test_a_wrong_password_is_one_clear_line_without_the_password(postgres:
         await asyncio.sleep(1.2)  # past the first retry: still one line
         await asyncio.to_thread(history.close, 1.0)
     assert history.dropped == 1
-    (line,) = logs
+    line, lost = logs  # one line while it fails, one at the shutdown with the records it could not keep
     assert line["event"] == "history_unavailable" and "password authentication failed" in line["error"]
+    assert lost["event"] == "history_records_lost" and lost["records"] == 1
     assert line["history"] == postgres.url(password="***") and wrong not in str(logs)
     with pytest.raises(HistoryReadError) as failed:
         history.page(RecordQuery())
@@ -194,3 +195,37 @@ async def test_the_password_may_come_from_a_file_and_retention_goes_by_age(postg
     await written_with_retention(history, (record(f"a{n}", now - 7200 if n < 6 else now) for n in range(10)))
     assert history.count() == 4 and {r.request_id for r in history.between(None)} == {"a6", "a7", "a8", "a9"}
     assert history.size_bytes() > 0
+
+
+async def test_a_frozen_server_is_noticed_and_the_records_it_could_not_take_are_said_at_shutdown(
+        postgres: PostgresServer) -> None:
+    """Every PostgreSQL process stopped (TCP connects, nothing answers): the server's statement_timeout
+    cannot fire and libpq waits for ever. The client's own bound on each write (`write_timeout_s`) shuts
+    the socket: history_up 0 and one line within that bound; at the shutdown, the records it could not
+    write are counted and said in one line, with the number."""
+    metrics = ProxyMetrics()
+    history = History(postgres.url(), max_age_s=0, max_bytes=0, metrics=metrics)
+    assert history.open()
+    history.backend.write_timeout_s = 1.0  # type: ignore[attr-defined]  (10 s as deployed)
+    history.on_response(record("before", time.time()))
+    await settled(history)
+    postgres.freeze()
+    try:
+        with capture_logs() as logs:
+            frozen_at = time.monotonic()
+            for n in range(20):
+                history.on_response(record(f"frozen{n}", time.time()))
+            while history.up:
+                assert time.monotonic() - frozen_at < 1.0 + 0.2 + 2.0, "the frozen server was never noticed"
+                await asyncio.sleep(0.05)
+            assert metrics.history_up._value.get() == 0  # type: ignore[attr-defined]
+            closed_at = time.monotonic()
+            await asyncio.to_thread(history.close, 1.0)
+            assert time.monotonic() - closed_at < 1.0 + 1.0 + 1.0  # the grace, then the write it waited on is cut
+    finally:
+        postgres.thaw()
+    events = [entry["event"] for entry in logs]
+    assert events.count("history_write_failed") == 1, events
+    (lost,) = [entry for entry in logs if entry["event"] == "history_records_lost"]
+    assert lost["records"] == 20 and history.dropped == 20
+    assert PASSWORD not in str(logs)
