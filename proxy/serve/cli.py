@@ -170,14 +170,15 @@ def history_path(value: str | None, listen: HostPort | None = None, upstream: st
 def client_naming(args: argparse.Namespace) -> tuple[str | None, bytes | None]:
     """`--client-header` (never a credential) and the secret of the API keys' hash (a note in the
     log when only one for this process could be had)."""
-    from proxy.diagnosis.clients import CREDENTIAL_HEADERS, load_secret
+    from proxy.diagnosis.clients import is_credential_header, load_secret
     from proxy.observers.history.source import state_directory
 
     header = (getattr(args, "client_header", None) or "").strip() or None
-    if header is not None and header.lower() in CREDENTIAL_HEADERS:
-        raise ConfigError(f"invalid --client-header {header!r}: a credential never goes into a record; name a header "
-                          "that names the client (X-Client-Id, OpenAI-Project), or leave it unset for a keyed hash "
-                          "of the API key")
+    if header is not None and is_credential_header(header):
+        raise ConfigError(f"invalid --client-header {header!r}: a credential never goes into a record (a header whose "
+                          "name holds key, token, secret, auth, password, cookie or session may carry one); name a "
+                          "header that names the client (X-Client-Id, OpenAI-Project), or leave it unset for a keyed "
+                          "hash of the API key")
     path = getattr(args, "client_secret_file", None)
     try:
         secret, note = load_secret(path, state_directory())
