@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -69,6 +70,15 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: igno
 DeadlineKind = Literal["none", "total", "idle"]
 
 
+# The largest count of tokens (or of anything else a server or client counts) the proxy takes as
+# said: past it, or below 0, a value is no count but a fault, and is left out with a note
+# (`values_ignored`). Sums of a few such counts stay far inside what JSON, SQLite, PostgreSQL,
+# Prometheus (a float's exact integers) and OTLP take.
+MAX_COUNT = 1 << 40
+# What a record's integers must fit: SQLite's and PostgreSQL's BIGINT, OTLP's int64.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_IGNORED = 4  # values noted as ignored, per record
+
 # The concurrency a record saw, as a bounded label: the buckets of every metric and filter.
 CONCURRENCY_BUCKETS = ("1", "2", "4", "8", "16", "32", "64", "128+")
 
@@ -104,6 +114,7 @@ class RequestInfo:
     prompt_words: int | None = None  # whitespace-separated words in the user's turns: a lower bound in tokens
     truncate_prompt_tokens: int | None = None  # vLLM's: the client asks to keep only the last N
     n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
+    ignored: list[str] = field(default_factory=list)  # values out of range, left out (`name=value`)
 
 
 # What the GPU and the server were doing while a response ran: an enricher's facts by the name of
@@ -195,6 +206,8 @@ class ResponseRecord:
     preemptions_during: float | None = None
     preemptions_scope: str | None = None
     observer_errors: list[str] = field(default_factory=list)
+    # Values read from the wire but not taken, out of any sane range (`prompt_eval_count=-5`): "not said"
+    values_ignored: str | None = None
 
     def to_compact_dict(self) -> dict[str, Any]:
         """`to_dict()` without the fields that are None (what a stored record needs: they are the
@@ -246,14 +259,14 @@ class ResponseRecord:
 
     @property
     def outcome(self) -> str:
-        """Who ended it, one of OUTCOMES (see there)."""
-        return _OUTCOME_OF[self.cause]
+        """Who ended it, one of OUTCOMES (see there); `unknown` for a cause this version does not know."""
+        return _OUTCOME_OF.get(self.cause, "unknown")
 
     @property
     def truncation_cause(self) -> str | None:
         """The cause label of `llm_proxy_truncated_total`: what the serving layer cut, else None."""
         cause = self.cause
-        return cause if _OUTCOME_OF[cause] == "cut" else None
+        return cause if _OUTCOME_OF.get(cause) == "cut" else None
 
 
 _RECORD_FIELDS = tuple(f.name for f in fields(ResponseRecord))
@@ -261,6 +274,9 @@ _record_values = operator.attrgetter(*_RECORD_FIELDS)  # every field in one C ca
 RECORD_FIELDS = frozenset(_RECORD_FIELDS)
 # The text fields; some hold text from outside the proxy (a client's body, a server's header or answer).
 TEXT_FIELDS = tuple(f.name for f in fields(ResponseRecord) if f.type in ("str", "str | None"))
+# The integer fields: each must fit a signed 64-bit integer (SQLite, PostgreSQL's BIGINT, OTLP).
+INT_FIELDS = tuple(f.name for f in fields(ResponseRecord) if f.type in ("int", "int | None"))
+OPTIONAL_INT_FIELDS = frozenset(f.name for f in fields(ResponseRecord) if f.type == "int | None")
 
 
 def utf8_text(text: str) -> str:
@@ -273,6 +289,8 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "replace").decode()
     return text
+
+
 
 
 
@@ -309,6 +327,70 @@ def record_from_dict(data: dict[str, Any]) -> ResponseRecord:
     if data.keys() <= RECORD_FIELDS:  # (a worker's record: nothing to leave out, found in one C call)
         return ResponseRecord(**data)
     return ResponseRecord(**{k: v for k, v in data.items() if k in RECORD_FIELDS})
+
+
+# The named values of a record, and what a stored value this version does not know is read as.
+_CHOICES: tuple[tuple[str, frozenset[Any], Any], ...] = (
+    ("stop_reason", frozenset(STOP_REASONS), "unknown"),
+    ("length_cause", frozenset((*LengthCause.__args__, None)), "unknown"),  # type: ignore[attr-defined]
+    ("length_cause_source", frozenset((*LengthCauseSource.__args__, None)), None),  # type: ignore[attr-defined]
+    ("upstream_error", frozenset((*UPSTREAM_ERROR_KINDS, None)), "error_event"),
+    ("tokens_source", frozenset(("usage", "counted", "none")), "none"),
+    ("prompt_tokens_source", frozenset(("usage", "tokenizer", "server_error", None)), None),
+    ("deadline_hit", frozenset(DeadlineKind.__args__), "none"),  # type: ignore[attr-defined]
+    ("deadline_mode", frozenset(("observe", "enforce", None)), None),
+    ("disconnect_phase", frozenset(("before_first_token", "mid_stream", None)), None),
+)
+_REQUIRED_TEXT = ("request_id", "method", "path", "route", "dialect")
+
+
+def record_from_stored(data: Any) -> ResponseRecord | None:
+    """A record read back from a history another version may have written: what this version does
+    not know is read as far as it can be (an unknown field left out, an unknown stop reason or cause
+    read as `unknown`, with the stored value named in `values_ignored`, a value of the wrong type
+    not said); a row that is no record at all (not an object, no id or start time) is None, for the
+    reader to count and skip. The stored values are mended before the record is made, never after."""
+    if not isinstance(data, dict) or not all(isinstance(data.get(name), str) for name in _REQUIRED_TEXT):
+        return None
+    started = data.get("started_at")
+    if not isinstance(started, int | float) or isinstance(started, bool) or not math.isfinite(started):
+        return None
+    values = {name: value for name, value in data.items() if name in RECORD_FIELDS}
+    notes = [values["values_ignored"]] if isinstance(values.get("values_ignored"), str) else []
+    for name, known, default in _CHOICES:
+        value = values.get(name, _DEFAULTS[name])
+        if value not in known:
+            values[name] = default
+            notes.append(f"{name}={str(value)[:40]}")
+    for name in INT_FIELDS:  # a number of another type, or past 64 bits: not said (0 where one is needed)
+        value = values.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not INT64_MIN <= value <= INT64_MAX):
+            values[name] = None if name in OPTIONAL_INT_FIELDS else 0
+    for name in TEXT_FIELDS:
+        value = values.get(name)
+        if value is not None and not isinstance(value, str):
+            values[name] = None if name not in _REQUIRED_TEXT else str(value)
+        elif isinstance(value, str):
+            values[name] = utf8_text(value)
+    errors = values.get("observer_errors")
+    values["observer_errors"] = [utf8_text(e) for e in errors if isinstance(e, str)] if isinstance(errors, list) else []
+    timings = values.get("server_timings")
+    if timings is not None:
+        values["server_timings"] = ({str(k): v for k, v in timings.items() if isinstance(v, int | float)
+                                     and not isinstance(v, bool) and math.isfinite(v)}
+                                    if isinstance(timings, dict) else None)
+    if notes:
+        values["values_ignored"] = ", ".join(notes)[:200]
+    try:
+        return ResponseRecord(**values)
+    except TypeError:
+        return None
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ResponseRecord)}
+
+
 _OUTCOME_OF: dict[str, str] = {
     **dict.fromkeys(("eos", "stop_sequence", "tool_calls"), "complete"), "requested_budget": "budget",
     **dict.fromkeys(CUT_CAUSES, "cut"), "client_disconnect": "client_gone", "http_4xx": "client_error",

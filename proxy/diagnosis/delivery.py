@@ -23,32 +23,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-import orjson
 import structlog
 
+from proxy.diagnosis.writable import make_writable
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import SERVER_FACTS, TEXT_FIELDS, ResponseRecord, ServerDuring, compact_once, utf8_text
+from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring, compact_once
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
 MAX_WAITING = 256  # records waiting for a batch: past it, the oldest is delivered at once
 SLICE_S = 0.0005  # a batch is delivered in slices of this long, the loop's other work between them
-_text_values = operator.attrgetter(*TEXT_FIELDS)
 
 
 class Delivery:
     """Hands records to a chain: enrichers, then observers, each in its order."""
 
-    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_starts", "_timer", "_waiting")
+    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_lost", "_starts", "_timer", "_waiting")
 
     def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = (), *,
-                 batch_s: float = 0.0) -> None:
-        """`batch_s`: the longest a finished record waits for its batch (0: delivered at once)."""
+                 batch_s: float = 0.0, on_lost: Callable[[], None] = lambda: None) -> None:
+        """`batch_s`: the longest a finished record waits for its batch (0: delivered at once);
+        `on_lost`: a record could not be made at all (counted in llm_proxy_records_lost_total)."""
+        self._lost = LostRecords(on_lost)
         chain = list(observers)
         self._enrichers = [(type(e).__name__, e) for e in enrichers]
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
@@ -92,6 +92,11 @@ class Delivery:
         if self._batch_s:
             self._wait(finish)
             return
+        self._run(finish)
+
+    def now(self, finish: Callable[[], None]) -> None:
+        """`finish` run at once, its failure (a diagnosis bug) kept from the caller: the relay's
+        handler and the client's connection never see it. The record is counted lost and said."""
         self._run(finish)
 
     def _wait(self, item: ResponseRecord | Callable[[], None]) -> None:
@@ -149,13 +154,11 @@ class Delivery:
         finally:
             compact_once.delivering(None)
 
-    @staticmethod
-    def _run(finish: Callable[[], None]) -> None:
+    def _run(self, finish: Callable[[], None]) -> None:
         try:
             finish()
-        except Exception as exc:  # a diagnosis bug: that record is lost, said once here, the rest go on
-            with contextlib.suppress(OSError, ValueError):
-                _log.error("record_failed", error=repr(exc)[:300])
+        except Exception as exc:  # a diagnosis bug: that record is lost, counted and said, the rest go on
+            self._lost.failed(exc)
 
 
 def write_facts(record: ResponseRecord, facts: ServerDuring) -> None:
@@ -174,19 +177,27 @@ def note_failure(record: ResponseRecord, name: str, exc: Exception) -> None:
         _log.warning("observer_failed", observer=name, error=repr(exc)[:300], request_id=record.request_id)
 
 
-def make_writable(record: ResponseRecord) -> None:
-    """Every text field of a finished record writable in UTF-8, so that JSON, a metric label, a log
-    line or a database can take it: one lone surrogate would otherwise break each of them, and the
-    history's writer, `/metrics` and the record's page with it. The usual record is looked at in
-    two C calls: orjson refuses text that UTF-8 cannot hold."""
-    values = _text_values(record)
-    try:
-        orjson.dumps(values)
-        return
-    except TypeError:
-        pass
-    for name, value in zip(TEXT_FIELDS, values, strict=True):
-        if value:
-            fixed = utf8_text(value)
-            if fixed is not value:
-                setattr(record, name, fixed)
+class LostRecords:
+    """Records the proxy could not make or hand on (a bug, a channel gone): each counted (`on_lost`:
+    llm_proxy_records_lost_total), and one log line for the first of each kind of failure, not one per
+    record (a bug that fails every record must not flood the log)."""
+
+    MAX_KINDS = 32
+
+    def __init__(self, on_lost: Callable[[], None] = lambda: None) -> None:
+        self._on_lost = on_lost
+        self._said: set[str] = set()
+        self.count = 0
+
+    def failed(self, exc: BaseException, what: str = "record_failed") -> None:
+        self.count += 1
+        with contextlib.suppress(Exception):
+            self._on_lost()
+        kind = f"{what}:{type(exc).__name__}"
+        if kind in self._said or len(self._said) >= self.MAX_KINDS:
+            return
+        self._said.add(kind)
+        with contextlib.suppress(OSError, ValueError):
+            _log.error(what, error=repr(exc)[:300], note="the record of this exchange is lost (counted in "
+                       "llm_proxy_records_lost_total; later ones of this kind are counted, not logged); the "
+                       "traffic was not affected")

@@ -22,7 +22,15 @@ from proxy.diagnosis.prompt_rules import (
     server_limit_detail,
 )
 from proxy.diagnosis.stream_tally import StreamTally
-from proxy.record import DeadlineKind, RequestInfo, ResponseRecord, UpstreamErrorKind, utf8_text
+from proxy.diagnosis.writable import make_writable
+from proxy.record import (
+    MAX_IGNORED,
+    DeadlineKind,
+    RequestInfo,
+    ResponseRecord,
+    UpstreamErrorKind,
+    utf8_text,
+)
 from proxy.wire.byte_budget import UNLIMITED, ByteBudget
 from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
@@ -327,6 +335,7 @@ class Recorder:
         if hit != "none":
             record.deadline_hit = hit
             record.deadline_mode = "enforce" if self._enforced != "none" else "observe"
+        make_writable(record)  # whatever the wire held, the record can be written everywhere it goes
         return record
 
     def _fill_prompt(self, server: ServerFacts) -> None:
@@ -367,10 +376,14 @@ class Recorder:
         record.length_cause, record.length_cause_detail = cause, detail
         if cause != "unknown":
             record.length_cause_source = "server_tokenizer"
+        make_writable(record)
 
     def _fill_tokens(self) -> None:
         record, tally = self.record, self.tally
         usage = tally.usage
+        ignored = [*self._info.ignored, *(usage.ignored if usage is not None else ())][:MAX_IGNORED]
+        if ignored:  # counts out of any range: not said, and the record says what was left out
+            record.values_ignored = ", ".join(ignored)[:200]
         if usage is not None and usage.completion_tokens is not None:
             record.output_tokens, record.tokens_source = usage.completion_tokens, "usage"
         elif self.inference and (tally.tokens or tally.finish is not None or tally.done):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 
+from proxy.record import MAX_IGNORED
 from proxy.wire.events import Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.wire.fast_tokens import EVENTS, VISIBLE
 from proxy.wire.parsers import ResponseParser
@@ -145,7 +146,8 @@ class StreamTally:
                 self.usage = event if old is None else Usage(
                     old.prompt_tokens if event.prompt_tokens is None else event.prompt_tokens,
                     old.completion_tokens if event.completion_tokens is None else event.completion_tokens,
-                    old.reasoning_tokens if event.reasoning_tokens is None else event.reasoning_tokens)
+                    old.reasoning_tokens if event.reasoning_tokens is None else event.reasoning_tokens,
+                    (old.ignored + event.ignored)[:MAX_IGNORED])
             elif isinstance(event, Done):
                 self.done = True
             elif isinstance(event, ErrorEvent):

@@ -204,8 +204,9 @@ class ProxyMetrics:
             "llm_proxy_trace_spans_dropped", "OpenTelemetry spans not exported (--otel): the queue was full or the "
             "OTLP endpoint failed; the traffic was not affected.", registry=r)
         self.records_lost = Counter(
-            "llm_proxy_records_lost", "Records a worker process could not hand to the process that exports "
-            "them (its channel was full or broken); their exchanges were relayed all the same.", registry=r)
+            "llm_proxy_records_lost", "Records the proxy could not make or hand on: a failure of the record "
+            "path (said once per kind in the log), or a worker's channel full or broken; their exchanges were "
+            "relayed all the same.", registry=r)
         self.parse_budget_used = Gauge(
             "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
             "process-wide (--parse-budget bounds it).", registry=r)

@@ -444,7 +444,7 @@ class _Exchange:
         if recorder.tally.streaming and recorder.held_bytes <= DEFERRED_MAX_BYTES:
             self.observers.later(finish)
         else:
-            finish()
+            self.observers.now(finish)  # (a failure of the record path never reaches the client's connection)
 
     def _client_connection_lost(self) -> bool:
         transport = self.request.transport

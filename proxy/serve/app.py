@@ -127,7 +127,8 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
     budget = ByteBudget(config.parse_budget_bytes)
     metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
                        parse_budget_refusals=lambda: budget.refused)
-    check = server_check(config, chain.response_finished, metrics.count_tokenizer, metrics.know_models)
+    check = server_check(config, chain.response_finished, metrics.count_tokenizer, metrics.know_models,
+                         metrics.records_lost.inc)
     forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
     readers = AdminReaders()
     running = RunningProxy(config, "", "", observing.store, metrics, concurrency, chain, forwarder,

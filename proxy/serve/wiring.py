@@ -17,7 +17,8 @@ from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.diagnosis.delivery import Delivery
-from proxy.diagnosis.server_check import CheckLimits, ServerCheck, open_server_check
+from proxy.diagnosis.server_check import ServerCheck, open_server_check
+from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits
 from proxy.observers.history import History
 from proxy.observers.hooks import Observer
 from proxy.observers.logs import LogObserver
@@ -68,14 +69,15 @@ def proxy_application(config: ProxyConfig, observers: Delivery, concurrency: InF
 
 
 def server_check(config: ProxyConfig, deliver: Callable[[ResponseRecord], None], on_result: Callable[[str], None],
-                 on_models: Callable[[Iterable[str]], None] = lambda names: None) -> ServerCheck:
+                 on_models: Callable[[Iterable[str]], None] = lambda names: None,
+                 on_lost: Callable[[], None] = lambda: None, gate: CallGate | None = None) -> ServerCheck:
     """What the proxy asks its upstream after each response (this process's share of the limits).
     `--upstream-metrics off` means the proxy sends its upstream nothing but the clients' requests:
     no probe of what server it is, no tokenizer call."""
     asks = config.upstream_metrics != "off"
     return open_server_check(config.upstream, config.upstream_authorization, deliver, probe=asks,
-                             tokenizer=asks and config.server_tokenizer, limits=CheckLimits().share(config.workers),
-                             on_result=on_result, on_models=on_models)
+                             tokenizer=asks and config.server_tokenizer, limits=QueueLimits().share(config.workers),
+                             on_result=on_result, on_models=on_models, on_lost=on_lost, gate=gate)
 
 
 def open_history(config: ProxyConfig, metrics: ProxyMetrics) -> History | None:
@@ -186,7 +188,8 @@ def default_observers(config: ProxyConfig, metrics: ProxyMetrics, telemetry: Tel
         observers.append(LogObserver(config.upstream))
     observers.append(store)
     observers.extend(exporter for exporter in (history, tracer) if exporter is not None)
-    return Delivery(observers, enrichers=[telemetry.enricher], batch_s=DELIVERY_BATCH_S)
+    return Delivery(observers, enrichers=[telemetry.enricher], batch_s=DELIVERY_BATCH_S,
+                    on_lost=metrics.records_lost.inc)
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -40,14 +41,15 @@ import orjson
 import structlog
 
 from proxy.config import HostPort, ProxyConfig
-from proxy.diagnosis.delivery import Delivery
+from proxy.diagnosis.delivery import Delivery, LostRecords
+from proxy.diagnosis.tokenizer_queue import CallGate, shared_gate
 from proxy.observers.hooks import Observer
 from proxy.observers.logs import configure_logging
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.tracing import TracingUnavailable
-from proxy.processes import follow_parent
+from proxy.processes import OWNERS, follow_parent
 from proxy.record import ResponseRecord, record_from_dict
-from proxy.relay.in_flight import OWNERS, InFlightTracker, SharedCounts
+from proxy.relay.in_flight import InFlightTracker, SharedCounts
 from proxy.relay.listeners import listen
 from proxy.serve import wiring
 from proxy.wire.byte_budget import ByteBudget, shared_budget
@@ -73,6 +75,7 @@ class WorkerArgs:
     ledger: Any  # RawArray("q"): per worker, its exchanges without a record yet and its records written
     supervisor: int  # the supervisor's pid: a worker does not outlive it
     channel: Connection  # the write end of its pipe to the supervisor
+    gate: tuple[Any, Any, Any]  # the tokenizer calls' shared gate (proxy.diagnosis.tokenizer_queue)
 
     @property
     def owner(self) -> int:
@@ -97,16 +100,26 @@ class RecordSender(Observer):
         self._pending, self._written = 2 * owner, 2 * owner + 1
         self._frames: list[bytes] = []  # this turn's messages, written at its end
         self._queued = 0  # their bytes
+        self._failures = LostRecords()  # (said once per kind; the count goes to the supervisor as `lost`)
+
+    def lost_one(self) -> None:
+        """A record the diagnosis could not make (counted by the supervisor with the next message)."""
+        self.lost += 1
 
     def send(self, message: dict[str, Any]) -> None:
         transport = self._transport
         if transport.is_closing() or transport.get_write_buffer_size() + self._queued > SEND_BUFFER_MAX:
             self.lost += "record" in message
             return
+        try:
+            payload = orjson.dumps(message, default=str)
+        except (TypeError, ValueError) as exc:  # a record the diagnosis failed to make writable: lost, counted
+            self.lost += "record" in message
+            self._failures.failed(exc, "record_not_sent")
+            return
         if self.lost:
             lost, self.lost = self.lost, 0
             self.send({"lost": lost})
-        payload = orjson.dumps(message, default=str)
         if not self._frames:
             asyncio.get_running_loop().call_soon(self._write)
         self._frames.append(FRAME.pack(len(payload)) + payload)
@@ -160,11 +173,15 @@ async def _worker(args: WorkerArgs) -> None:
     sender = RecordSender(transport, args.ledger, args.owner)
     tracker = InFlightTracker(counts=args.counts, owner=args.owner)
     budget = ByteBudget(config.parse_budget_bytes, shared=args.budget, owner=args.owner)
-    check = wiring.server_check(config, sender.on_response, lambda result: sender.send({"tokenizer": result}))
     # A worker's records go to the supervisor as they end, not in batches as one process delivers
     # them: nothing here could deliver what waits when the supervisor's admin listener is read, and
-    # an answer that has ended must not be missing there for a tenth of a second.
-    forwarder = wiring.proxy_application(config, Delivery([sender]), tracker, budget, check, sender.refused)
+    # an answer that has ended must not be missing there for a tenth of a second. They go through a
+    # Delivery as in one process, the tokenizer's too (each record made writable, each failure kept
+    # from the client's connection and the other records).
+    delivery = Delivery([sender], on_lost=sender.lost_one)
+    check = wiring.server_check(config, delivery.response_finished, lambda result: sender.send({"tokenizer": result}),
+                                on_lost=sender.lost_one, gate=CallGate(shared=args.gate, owner=args.owner))
+    forwarder = wiring.proxy_application(config, delivery, tracker, budget, check, sender.refused)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     runner, site, url = await listen(forwarder.handle, config.listen, backlog=config.backlog,
@@ -255,11 +272,13 @@ class WorkerPool:
     records it took with it."""
 
     def __init__(self, config: ProxyConfig, counts: SharedCounts, budget: tuple[Any, Any, Any], chain: Delivery,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, gate: tuple[Any, Any, Any] | None = None) -> None:
         self._context = multiprocessing.get_context("spawn")
         self._config = config
         self._counts = counts
         self._budget = budget
+        self._gate_state = gate if gate is not None else shared_gate(self._context)
+        self._gate = CallGate(shared=self._gate_state)
         self._tracker = InFlightTracker(counts=counts)
         self._bytes = ByteBudget(config.parse_budget_bytes, shared=budget)
         self._ledger: Any = self._context.RawArray("q", 2 * OWNERS)
@@ -294,7 +313,8 @@ class WorkerPool:
         worker.listening = asyncio.Event()
         worker.channel = channel = Channel()
         self._ledger[2 * worker.owner] = self._ledger[2 * worker.owner + 1] = 0
-        args = WorkerArgs(worker.index, self._config, self._counts, self._budget, self._ledger, os.getpid(), writer)
+        args = WorkerArgs(worker.index, self._config, self._counts, self._budget, self._ledger, os.getpid(), writer,
+                          self._gate_state)
         process = self._context.Process(target=worker_main, args=(args,), name=f"llm-diag-proxy-worker-{worker.index}",
                                         daemon=True)
         process.start()
@@ -343,6 +363,7 @@ class WorkerPool:
         # What it held goes back at once, so that no later request sees its requests in flight.
         in_flight = self._tracker.forget(worker.owner)
         held = self._bytes.forget(worker.owner)
+        self._gate.forget(worker.owner)  # its tokenizer calls in flight end with it
         pending, written = self._ledger[2 * worker.owner], self._ledger[2 * worker.owner + 1]
         self._spawn_task(self._account(worker, worker.channel, process.exitcode, in_flight, held, pending, written))
         if self.stopping:
@@ -440,7 +461,8 @@ async def _supervise(config: ProxyConfig) -> int:
     except OSError as exc:
         print(f"llm-diag-proxy: error: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    config = replace(config, listen=where)
+    # One secret for every worker (a key gets one name whichever worker took the request).
+    config = replace(config, listen=where, client_secret=config.client_secret or secrets.token_bytes(32))
     context = multiprocessing.get_context("spawn")
     counts = SharedCounts(context)
     budget_state = shared_budget(context)

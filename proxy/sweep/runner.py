@@ -320,20 +320,25 @@ async def listening(url: str, what: str) -> None:
         await writer.wait_closed()
 
 
-async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> ServerFacts:
-    """What the proxy behind `--admin` knows of its server (`GET /api/about`): the server is never
-    asked through the proxy. Unknown when the proxy cannot say (an older one, an error)."""
+async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> tuple[ServerFacts, str | None]:
+    """What the proxy behind `--admin` knows of its server (`GET /api/about`), and its upstream's URL:
+    the server is never asked through the proxy. Unknown (and None) when the proxy cannot say (an
+    older one, an error)."""
     assert plan.admin is not None
     headers = {"Authorization": f"Bearer {plan.admin_token}"} if plan.admin_token else {}
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S), session.get(plan.admin + "/api/about",
                                                                  headers=headers) as response:
             if response.status != 200:
-                return UNKNOWN_SERVER
+                return UNKNOWN_SERVER, None
             about = orjson.loads(await response.read())
     except (aiohttp.ClientError, TimeoutError, ValueError):
-        return UNKNOWN_SERVER
-    return facts_from_dict(about.get("server") if isinstance(about, dict) else None)
+        return UNKNOWN_SERVER, None
+    if not isinstance(about, dict):
+        return UNKNOWN_SERVER, None
+    proxy = about.get("proxy")
+    upstream = proxy.get("upstream") if isinstance(proxy, dict) else None
+    return facts_from_dict(about.get("server")), upstream if isinstance(upstream, str) else None
 
 
 async def probe(session: aiohttp.ClientSession, url: str, what: str, headers: dict[str, str]) -> None:
@@ -438,7 +443,12 @@ async def server_side(session: aiohttp.ClientSession, plan: SweepPlan, warmed: W
     Through a proxy the server is asked nothing: the proxy's `--admin` says what it knows (and its
     records are settled by its own tokenizer). A server swept directly is asked as the proxy asks it."""
     if plan.admin is not None:
-        facts = await read_about(session, plan)
+        facts, upstream = await read_about(session, plan)
+        if facts.kind == "unknown" and upstream is not None:
+            # A proxy that asks its server nothing (--upstream-metrics off): the sweep asks the server
+            # itself, at its own address, never through the proxy port.
+            info = await read_server_info(session, upstream, plan.model)
+            return info, ServerSide(await read_server_facts(session, upstream, (plan.model,)))
         return facts.info_for(plan.model), ServerSide(facts)
     if warmed.via_proxy:
         notes.append("the target is llm-diag-proxy: without --admin the sweep asks the server nothing through it, "

@@ -63,6 +63,7 @@ class Usage:
     prompt_tokens: int | None
     completion_tokens: int | None
     reasoning_tokens: int | None = None
+    ignored: tuple[str, ...] = ()  # `name=value` of counts the server gave out of any range: not taken
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from proxy.wire.dialects.base import as_int
+from proxy.wire.dialects.base import as_count
 
 ServerKind = Literal["llamacpp", "vllm", "sglang", "ollama", "unknown"]
 _KIND_OF_SOURCE: dict[str, ServerKind] = {"llama.cpp": "llamacpp", "vLLM": "vllm", "SGLang": "sglang",
@@ -112,7 +112,8 @@ def facts_from_dict(value: Any) -> ServerFacts:
 
 
 def _int(value: Any) -> int | None:
-    number = as_int(value)
+    """A context or a number of slots: a positive count; a negative or absurd one is not said."""
+    number = as_count(value)
     return number if number is not None and number > 0 else None
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import sqlite3
+import time
 from pathlib import Path
 
 import aiohttp

@@ -48,7 +48,8 @@ async def test_diagnose_suggests_a_sweep_through_the_proxys_own_port_that_runs_a
             sys.executable, "-m", "proxy", "diagnose", "--admin", proxy.admin_url, "--min-per-level", "2"],
             cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert found.returncode == 0, found.stderr
-        (line,) = [line.strip() for line in found.stdout.splitlines() if line.strip().startswith("llm-diag-proxy sweep")]
+        (line,) = [each.strip() for each in found.stdout.splitlines()
+                   if each.strip().startswith("llm-diag-proxy sweep")]
         printed = shlex.split(line)
         flags = dict(zip(printed[2::2], printed[3::2], strict=True))
         assert flags["--target"] == proxy.proxy_url and flags["--admin"] == proxy.admin_url

@@ -20,10 +20,11 @@ from typing import Any
 from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
-    as_int,
+    as_count,
     as_number,
     error_event,
     expect_object,
+    out_of_range,
     positive_budget,
     read_messages,
 )
@@ -57,9 +58,11 @@ def _usage(usage: Any, *, output: bool) -> Usage | None:
     """Anthropic's usage: the prompt is input plus cached input (counted apart), the output is cumulative."""
     if not isinstance(usage, dict):
         return None
-    parts = [as_int(usage.get(k)) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+    names = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    parts = [as_count(usage.get(k)) for k in names]
     prompt = sum(p for p in parts if p is not None) if parts[0] is not None else None
-    return Usage(prompt, as_int(usage.get("output_tokens")) if output else None)
+    ignored = out_of_range(usage, *names, *(("output_tokens",) if output else ()))
+    return Usage(prompt, as_count(usage.get("output_tokens")) if output else None, ignored=ignored)
 
 
 def events(obj: Any) -> list[Event]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.record import RequestInfo, utf8_text
+from proxy.record import INT64_MAX, INT64_MIN, MAX_COUNT, RequestInfo, utf8_text
 from proxy.wire.events import ErrorEvent, Event
 
 
@@ -40,11 +40,11 @@ class Dialect:
     streams_by_default: bool = False
 
 
-# The integers JSON gives as integers alike whichever parser read it: orjson (a body under its size)
-# turns the others into floats, and writes no other integer back; the standard library's parser (a
-# bigger body) keeps any integer. One client's `"seed": 1e40` written as digits must not become a
-# record that no JSON, log line or database can take.
-INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+# The integers a record may hold whichever parser read them: orjson (a body under its size) turns
+# integers past 64 bits into floats, the standard library's parser (a bigger body) keeps any integer,
+# and SQLite, PostgreSQL (BIGINT) and OTLP take signed 64-bit ones. One client's `"seed": 1e40` written
+# as digits must not become a record that no JSON, log line or database can take.
+INT_MIN, INT_MAX = INT64_MIN, INT64_MAX
 
 
 def as_int(value: Any) -> int | None:
@@ -64,10 +64,40 @@ def as_number(value: Any) -> float | None:
     return None
 
 
+def as_count(value: Any) -> int | None:
+    """A count a server or a client states (tokens, a context, a choice number): a whole number from 0
+    to MAX_COUNT; anything else is not said (`out_of_range` names it for the record's note)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    return None
+
+
+def out_of_range(obj: dict[str, Any], *names: str) -> tuple[str, ...]:
+    """`name=value` for each of `names` that `obj` holds as a number but no count can be (negative, or
+    past MAX_COUNT): left out of the record, and said there (`values_ignored`)."""
+    return tuple(f"{name}={str(obj[name])[:24]}" for name in names
+                 if isinstance(obj.get(name), int | float) and not isinstance(obj.get(name), bool)
+                 and as_count(obj[name]) is None)
+
+
+def positive_count(obj: dict[str, Any], name: str, info: RequestInfo, *, allowed: tuple[int, ...] = ()) -> int | None:
+    """A positive count a request asks for (`num_ctx`, `n`), or one of its `allowed` special values
+    (llama.cpp's `n_keep` -1: keep the whole prompt); 0 or absent is none, anything else is left out and
+    noted in `info.ignored`."""
+    value = obj.get(name)
+    if value is None or value == 0:
+        return None
+    number = as_int(value)
+    if number is not None and (number in allowed or 0 < number <= MAX_COUNT):
+        return number
+    info.ignored.append(f"{name}={str(value)[:24]}")
+    return None
+
+
 def positive_budget(value: Any) -> int | None:
     """A budget in tokens; 0 or less (Ollama's -1 infinite, -2 fill context) means none fixed."""
     number = as_int(value)
-    return number if number is not None and number > 0 else None
+    return number if number is not None and 0 < number <= MAX_COUNT else None
 
 
 def error_event(error: Any, *, overloaded_types: frozenset[str] = frozenset()) -> ErrorEvent:
@@ -104,20 +134,29 @@ def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[
 _VERBATIM_ROLES = frozenset({"user", "tool"})
 
 
+# Content parts whose `text` the servers render into the prompt: OpenAI's and Anthropic's `text`, the
+# Responses API's `input_text` (vLLM's chat_utils parses these; Ollama's OpenAI layer reads `text` only,
+# openai/openai.go fromChatRequest). A `text` in any other part (an image_url's) is never read: its words
+# bound nothing.
+TEXT_PARTS = frozenset({"text", "input_text"})
+
+
 def text_words(content: Any) -> int:
-    """Whitespace-separated words in a message's content: a string, or a list of parts with `text`
-    (OpenAI's and Anthropic's content parts, a tool result's content)."""
+    """Whitespace-separated words in a message's content: a string, or a list of parts, counting the
+    `text` of the parts the server reads as text (`TEXT_PARTS`) and a tool result's content."""
     if isinstance(content, str):
         return len(content.split())
     if isinstance(content, list):
         words = 0
         for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                if isinstance(text, str):
-                    words += len(text.split())
-                elif part.get("type") == "tool_result":
-                    words += text_words(part.get("content"))
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            text = part.get("text")
+            if kind in TEXT_PARTS and isinstance(text, str):
+                words += len(text.split())
+            elif kind == "tool_result":
+                words += text_words(part.get("content"))
         return words
     return 0
 

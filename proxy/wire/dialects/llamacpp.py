@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.record import RequestInfo, StopReason
-from proxy.wire.dialects.base import Dialect, as_int, error_event, expect_object, read_common, read_prompt_text
+from proxy.wire.dialects.base import (
+    Dialect,
+    as_count,
+    error_event,
+    expect_object,
+    out_of_range,
+    positive_count,
+    read_common,
+    read_prompt_text,
+)
 from proxy.wire.dialects.openai import timings_of
 from proxy.wire.events import ONE_TOKEN, Event, Finish, Usage
 
@@ -35,9 +44,10 @@ def events(obj: Any) -> list[Event]:
         stop = STOP_TYPES.get(str(raw), "unknown") if raw is not None else "unknown"
         found.append(Finish(None if raw is None else str(raw), stop, 0, str(word) if word else None,
                             truncated if isinstance(truncated, bool) else None))
-        predicted, evaluated = as_int(obj.get("tokens_predicted")), as_int(obj.get("tokens_evaluated"))
-        if predicted is not None or evaluated is not None:
-            found.append(Usage(evaluated, predicted))
+        predicted, evaluated = as_count(obj.get("tokens_predicted")), as_count(obj.get("tokens_evaluated"))
+        ignored = out_of_range(obj, "tokens_predicted", "tokens_evaluated")
+        if predicted is not None or evaluated is not None or ignored:
+            found.append(Usage(evaluated, predicted, ignored=ignored))
         if isinstance(obj.get("timings"), dict):
             found.append(timings_of(obj["timings"]))
     return found
@@ -46,7 +56,7 @@ def events(obj: Any) -> list[Event]:
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens", "n_predict"))
     info.stop_requested = bool(obj.get("stop"))
-    info.n_keep = as_int(obj.get("n_keep"))
+    info.n_keep = positive_count(obj, "n_keep", info, allowed=(-1,))  # -1: keep the whole prompt
     read_prompt_text(obj.get("prompt"), info)
 
 

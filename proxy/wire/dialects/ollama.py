@@ -15,11 +15,14 @@ from typing import Any
 from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
+    as_count,
     as_int,
     as_number,
     error_event,
     expect_object,
+    out_of_range,
     positive_budget,
+    positive_count,
     read_chat_or_prompt,
 )
 from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
@@ -56,7 +59,8 @@ def events(obj: Any) -> list[Event]:
         raw = obj.get("done_reason")
         stop = DONE_REASONS.get(str(raw).lower(), "unknown") if raw is not None else "unknown"
         found.append(Finish(None if raw is None else str(raw), stop, distinguishes_stop=False))
-        found.append(Usage(as_int(obj.get("prompt_eval_count")), as_int(obj.get("eval_count"))))
+        found.append(Usage(as_count(obj.get("prompt_eval_count")), as_count(obj.get("eval_count")),
+                           ignored=out_of_range(obj, "prompt_eval_count", "eval_count")))
         total = _ns(obj.get("total_duration"))
         if total is not None:
             found.append(ServerTimings(total, _ns(obj.get("load_duration")), _ns(obj.get("prompt_eval_duration")),
@@ -70,7 +74,7 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     options = obj.get("options")
     if isinstance(options, dict):
         info.requested_max_tokens = positive_budget(options.get("num_predict"))
-        info.num_ctx = as_int(options.get("num_ctx"))
+        info.num_ctx = positive_count(options, "num_ctx", info)
         info.seed = as_int(options.get("seed"))
         info.temperature = as_number(options.get("temperature"))
         info.stop_requested = bool(options.get("stop"))

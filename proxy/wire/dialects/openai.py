@@ -29,10 +29,12 @@ from typing import Any
 from proxy.record import RequestInfo, StopReason, UpstreamErrorKind
 from proxy.wire.dialects.base import (
     Dialect,
-    as_int,
+    as_count,
     as_number,
     error_event,
     expect_object,
+    out_of_range,
+    positive_count,
     read_chat_or_prompt,
     read_common,
 )
@@ -68,10 +70,10 @@ def finish(raw: str, choice: int, detail: Any, distinguishes_stop: bool, matched
 
 
 def _finish_of(choice: dict[str, Any], reason: Any) -> Finish:
-    index = as_int(choice.get("index")) or 0
+    index = as_count(choice.get("index")) or 0
     if "matched_stop" in choice:  # SGLang: a string is a stop sequence, a token id EOS or a stop token
         matched = choice.get("matched_stop")
-        token = as_int(matched)
+        token = as_count(matched)
         return finish(str(reason), index, matched if isinstance(matched, str) else None, True, token)
     return finish(str(reason), index, choice.get("stop_reason"), "stop_reason" in choice)
 
@@ -86,8 +88,11 @@ def timings_of(timings: dict[str, Any]) -> ServerTimings:
 
 def usage_of(usage: dict[str, Any]) -> Usage:
     details = usage.get("completion_tokens_details")
-    reasoning = as_int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
-    return Usage(as_int(usage.get("prompt_tokens")), as_int(usage.get("completion_tokens")), reasoning)
+    reasoning = as_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    ignored = out_of_range(usage, "prompt_tokens", "completion_tokens")
+    if isinstance(details, dict):
+        ignored += out_of_range(details, "reasoning_tokens")
+    return Usage(as_count(usage.get("prompt_tokens")), as_count(usage.get("completion_tokens")), reasoning, ignored)
 
 
 def events(obj: Any) -> list[Event]:
@@ -129,19 +134,21 @@ def events(obj: Any) -> list[Event]:
 
 def timings_usage(timings: dict[str, Any]) -> Usage:
     """llama.cpp's own counts in `timings`: the prompt (processed plus cached) and the generated tokens."""
-    processed, cached = as_int(timings.get("prompt_n")), as_int(timings.get("cache_n"))
+    processed, cached = as_count(timings.get("prompt_n")), as_count(timings.get("cache_n"))
     prompt = processed + (cached or 0) if processed is not None else None
-    return Usage(prompt, as_int(timings.get("predicted_n")))
+    return Usage(prompt, as_count(timings.get("predicted_n")),
+                 ignored=out_of_range(timings, "prompt_n", "cache_n", "predicted_n"))
 
 
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens"))
     info.stop_requested = bool(obj.get("stop"))
-    info.n = as_int(obj.get("n"))
+    info.n = positive_count(obj, "n", info)
     stop_ids = obj.get("stop_token_ids")
     if isinstance(stop_ids, list):
-        info.stop_token_ids = tuple(i for i in stop_ids if as_int(i) is not None)
-    info.truncate_prompt_tokens = as_int(obj.get("truncate_prompt_tokens"))
+        info.stop_token_ids = tuple(i for i in stop_ids[:256] if as_count(i) is not None)
+    # vLLM: -1 keeps as many as the context takes (vllm/entrypoints/openai/protocol.py)
+    info.truncate_prompt_tokens = positive_count(obj, "truncate_prompt_tokens", info, allowed=(-1,))
     read_chat_or_prompt(obj, info)
 
 

@@ -22,9 +22,10 @@ from typing import Any
 from proxy.record import RequestInfo, StopReason
 from proxy.wire.dialects.base import (
     Dialect,
-    as_int,
+    as_count,
     error_event,
     expect_object,
+    out_of_range,
     read_common,
     read_messages,
     read_prompt_text,
@@ -65,8 +66,10 @@ def _terminal(response: dict[str, Any]) -> list[Event]:
     usage = response.get("usage")
     if isinstance(usage, dict):
         details = usage.get("output_tokens_details")
-        reasoning = as_int(details.get("reasoning_tokens")) if isinstance(details, dict) else None
-        found.append(Usage(as_int(usage.get("input_tokens")), as_int(usage.get("output_tokens")), reasoning))
+        reasoning = as_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+        ignored = out_of_range(usage, "input_tokens", "output_tokens")
+        found.append(Usage(as_count(usage.get("input_tokens")), as_count(usage.get("output_tokens")), reasoning,
+                           ignored))
     return found
 
 

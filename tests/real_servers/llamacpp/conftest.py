@@ -158,13 +158,14 @@ async def proxy_for() -> AsyncIterator[object]:
 
     started: list[object] = []
 
-    async def start(upstream: str) -> object:
+    async def start(upstream: str, **overrides: object) -> object:
         running = await start_proxy(
             ProxyConfig(
                 upstream=upstream,
                 listen=HostPort("127.0.0.1", 0),
                 admin_listen=HostPort("127.0.0.1", 0),
                 upstream_metrics="off",
+                **overrides,  # type: ignore[arg-type]
             )
         )
         started.append(running)
