@@ -6,8 +6,8 @@ completion or, when asked with `X-Bench-Answer-MiB`, one whose content is that m
 runs as `python -m proxy serve`; its RSS is read from /proc every 5 ms while a wave runs, and its
 records (through the admin API) say how many bodies were read and how many passed unread.
 
-    python benchmarks/memory.py                         # the default waves, default budget (256 MiB)
-    python benchmarks/memory.py --parse-budget 67108864 # the same with a 64 MiB budget
+    python benchmarks/memory.py                         # the default waves, default bytes held for parsing (256 MiB)
+    python benchmarks/memory.py --parse-bytes 67108864  # the same, 64 MiB held for parsing at most
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def settle(pid: int, seconds: float = 2.0) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parse-budget", type=int, default=0, help="the proxy's --parse-budget (default: its own)")
+    parser.add_argument("--parse-bytes", type=int, default=0, help="the proxy's --parse-bytes (default: its own)")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,10 +141,10 @@ def main() -> int:
              Wave("6 x 20 MiB JSON answers", 6, 0, 20), Wave("6 x 40 MiB JSON answers", 6, 0, 40)]
     up_port, proxy_port, admin_port = free_port(), free_port(), free_port()
     upstream = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--port", str(up_port)])
-    budget = ["--parse-budget", str(args.parse_budget)] if args.parse_budget else []
+    parse_bytes = ["--parse-bytes", str(args.parse_bytes)] if args.parse_bytes else []
     proxy = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{up_port}",
-         "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen", f"127.0.0.1:{admin_port}", *budget,
+         "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen", f"127.0.0.1:{admin_port}", *parse_bytes,
          "--gpu-poll-interval", "0", "--upstream-metrics", "off", "--no-log-records", "--log-format", "json"],
         cwd=ROOT, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
@@ -156,8 +156,8 @@ def main() -> int:
         for mib in (20, 40):  # the upstream builds its big answers once, before anything is measured
             asyncio.run(send_wave(url, Wave("warm", 1, 0, mib)))
         asyncio.run(send_wave(url, Wave("warm", 4, 1, 0)))
-        print(f"# proxy RSS in MiB; parse budget "
-              f"{f'{args.parse_budget / MIB:g} MiB' if args.parse_budget else 'default (256 MiB)'}, "
+        print(f"# proxy RSS in MiB; bytes held for parsing at most "
+              f"{f'{args.parse_bytes / MIB:g} MiB' if args.parse_bytes else 'default (256 MiB)'}, "
               f"body cap default (32 MiB)")
         print(f"{'wave':<26} {'before':>7} {'peak':>7} {'added':>7} {'after':>7}  bodies read / passed unread")
         for wave in waves:

@@ -15,6 +15,11 @@ The relay's cores busy (its processes' CPU over the window) are shown beside eac
 
     python benchmarks/scaling.py --workers 4          # needs 4 cores for the relay, more for the load
     python benchmarks/scaling.py --workers 8 --levels 256,512,1024,2048,4096
+    python benchmarks/scaling.py --workers 2 --relay-cores 1 --levels 64   # the supervisor's cost, on 2 CPUs
+
+With N workers it also says what their supervisor spent (its own process, not its workers) per
+record relayed in the window: it does no work per record, so this is what reading its admin
+listener and passing telemetry on costs, spread over the records (issue 40 asks at most 10 µs).
 
 Never run as a timed test: the figures depend on the machine. Two cores cannot show scaling (one
 relay core, one load core); on them it runs `--workers 1` only, as a check that the script works.
@@ -93,9 +98,24 @@ def start_proxy(workers: int, upstream_port: int, cores: set[int]) -> tuple[subp
     return process, f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
+EVENTS_PER_STREAM = 54  # the role chunk, 50 tokens, the finish, the usage, [DONE]
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """CPU time of one process (its threads), not its children's."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
 def measure(url: str, streams: int, generators: int, load: set[int], interval: float, seconds: float,
-            relay: subprocess.Popen[bytes] | None) -> tuple[float, float]:
-    """(events per second reaching the clients in the window, the relay's cores busy meanwhile)."""
+            relay: subprocess.Popen[bytes] | None, supervisor: list[float] | None = None) -> tuple[float, float]:
+    """(events per second reaching the clients in the window, the relay's cores busy meanwhile);
+    `supervisor` gets the relay's own process's CPU seconds in the window (not its workers')."""
     start = time.time() + 0.5
     window = (start + WARM_S + interval * 50, start + WARM_S + interval * 50 + seconds)
     shares = [streams // generators + (1 if i < streams % generators else 0) for i in range(generators)]
@@ -105,8 +125,11 @@ def measure(url: str, streams: int, generators: int, load: set[int], interval: f
                                  stdout=subprocess.PIPE, preexec_fn=pinned(load)) for share in shares if share]
     time.sleep(max(0.0, window[0] - time.time()))
     before = overhead.cpu_seconds(relay.pid) if relay is not None else 0.0
+    own_before = own_cpu_seconds(relay.pid) if relay is not None else 0.0
     time.sleep(max(0.0, window[1] - time.time()))
     used = overhead.cpu_seconds(relay.pid) - before if relay is not None else 0.0
+    if relay is not None and supervisor is not None:
+        supervisor.append(own_cpu_seconds(relay.pid) - own_before)
     counted = 0
     for child in children:
         out, _ = child.communicate(timeout=seconds + 120)
@@ -114,7 +137,7 @@ def measure(url: str, streams: int, generators: int, load: set[int], interval: f
     return counted / seconds, used / seconds
 
 
-def summary(best: dict[int, tuple[float, float]], workers: int, saturated: bool) -> None:
+def summary(best: dict[int, tuple[float, float]], workers: int, saturated: bool, cores: int) -> None:
     one, busy = best[1]
     if not saturated:
         print("# no level saturated every relay (the load side's cores may be the limit: see whether direct still "
@@ -126,6 +149,10 @@ def summary(best: dict[int, tuple[float, float]], workers: int, saturated: bool)
     if workers > 1:
         many = best[workers][0]
         scale = many / one / workers if one else 0.0
+        if cores < workers:
+            print(f"# {workers} workers on {cores} core(s): {many:,.0f} events/s (not a scaling figure: the "
+                  "supervisor's cost per record is the column above)")
+            return
         print(f"# {workers} workers: {many:,.0f} events/s on {workers} cores, {scale:.2f}·N of one worker "
               "(target: at least 0.9·N, both saturated)")
 
@@ -137,6 +164,9 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between tokens")
     parser.add_argument("--seconds", type=float, default=4.0, help="the measured window of each level")
     parser.add_argument("--upstreams", type=int, default=0, help="upstream processes (default: the load cores)")
+    parser.add_argument("--relay-cores", type=int, default=0,
+                        help="cores for the relay (default: one per worker; fewer measures the supervisor's cost "
+                             "per record where the cores are few, not the scaling)")
     parser.add_argument("--role", choices=("bench", "upstream", "generator"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -157,11 +187,12 @@ def main() -> int:
 
     cores = sorted(os.sched_getaffinity(0))
     workers = args.workers or max(1, len(cores) // 2)
-    if len(cores) < workers + 1:
-        print(f"error: --workers {workers} needs {workers + 1} cores or more (this machine gives {len(cores)})",
-              file=sys.stderr)
+    relay_count = args.relay_cores or workers
+    if len(cores) < relay_count + 1:
+        print(f"error: --workers {workers} needs {relay_count + 1} cores or more (this machine gives {len(cores)}); "
+              "--relay-cores 1 runs them on fewer, for the supervisor's cost", file=sys.stderr)
         return 2
-    relay_cores, load = cores[:workers], set(cores[workers:])
+    relay_cores, load = cores[:relay_count], set(cores[relay_count:])
     levels = ([int(x) for x in args.levels.split(",")] if args.levels
               else [64 * 2 ** i for i in range(12) if 64 * 2 ** i <= 32 * 64 * workers])
     upstreams = args.upstreams or len(load)
@@ -175,7 +206,8 @@ def main() -> int:
           f"CPU {','.join(map(str, relay_cores))}, {upstreams} upstream processes and {len(load)} generators on "
           f"CPU {','.join(map(str, sorted(load)))}; 50-token streams, one event every {args.interval * 1000:.0f} ms "
           f"in a write of its own, {args.seconds:.0f} s measured per level")
-    header = "streams   direct ev/s" + "".join(f"   w{n} ev/s  share  busy" for n, _ in configs)
+    header = ("streams   direct ev/s" + "".join(f"   w{n} ev/s  share  busy" for n, _ in configs)
+              + ("  supervisor us/record" if workers > 1 else ""))
     print(header)
     best = {n: (0.0, 0.0) for n, _ in configs}  # the most events/s relayed, and the cores busy meanwhile
     generators = len(load)
@@ -191,15 +223,19 @@ def main() -> int:
             saturated = True
             for n, _ in configs:
                 process, url = proxies[n]
-                relayed, busy = measure(url, streams, generators, load, args.interval, args.seconds, process)
+                own: list[float] = []
+                relayed, busy = measure(url, streams, generators, load, args.interval, args.seconds, process, own)
                 best[n] = max(best[n], (relayed, busy))
                 share = relayed / direct if direct else 0.0
-                saturated = saturated and (share < SETTLE_FACTOR or busy >= BUSY * n)
+                saturated = saturated and (share < SETTLE_FACTOR or busy >= BUSY * min(n, len(relay_cores)))
                 row += f" {relayed:11,.0f} {share:6.2f} {busy:5.2f}"
+                if n > 1:
+                    records = relayed * args.seconds / EVENTS_PER_STREAM
+                    row += f" {own[0] / records * 1e6 if records else 0.0:21.1f}"
             print(row, flush=True)
             if saturated:
                 break
-        summary(best, workers, saturated)
+        summary(best, workers, saturated, len(relay_cores))
     finally:
         for process, _ in proxies.values():
             process.send_signal(signal.SIGTERM)

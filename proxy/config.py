@@ -230,7 +230,7 @@ class ProxyConfig:
     backlog: int = 2048  # the listen queue: a burst of connects beyond it is reset by the kernel
     header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)
     shutdown_grace_s: float = 20.0  # on SIGTERM: how long open streams may still finish
-    parse_budget_bytes: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
+    parse_bytes_max: int = 256 * 1024 * 1024  # process-wide bytes held to read bodies; beyond: unread
     workers: int = 1  # processes serving the proxy port (SO_REUSEPORT); >1: proxy/serve/workers.py
     history_path: str | None = None  # a SQLite file or a postgresql:// URL (observers/history/); None: off
     history_max_age_s: float = 7 * 86400.0

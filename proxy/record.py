@@ -184,7 +184,7 @@ class ResponseRecord:
     upstream_error_detail: str | None = None
     upstream_retries: int = 0  # an idempotent request sent again after a pooled connection turned out closed
     upstream_request_id: str | None = None  # the upstream's own X-Request-Id, where it differs from ours
-    request_note: str | None = None  # why the request body was not read (over the cap, the budget spent)
+    request_note: str | None = None  # why the request body was not read (past the cap, or --parse-bytes ran out)
     trace_id: str | None = None  # from the client's W3C traceparent (32 hex), when it sent a valid one
     parent_span_id: str | None = None  # the client's span in that traceparent (16 hex)
     parse_error: bool = False
@@ -297,7 +297,8 @@ def utf8_text(text: str) -> str:
 class CompactOnce:
     """A finished record's compact dict, made once for all the observers of its delivery (the log
     line and the history's row both need it): `delivering(record)` while the chain runs, `compact`
-    from any observer. Outside a delivery it is made each time. Only the event loop's thread uses it."""
+    from any observer. Outside a delivery it is made each time. One per delivery, passed to the
+    observers that use it (never a module's global); only the event loop's thread uses it."""
 
     __slots__ = ("_compact", "_record")
 
@@ -318,8 +319,6 @@ class CompactOnce:
             self._compact = record.to_compact_dict()
         return self._compact
 
-
-compact_once = CompactOnce()
 
 
 def record_from_dict(data: dict[str, Any]) -> ResponseRecord:

@@ -31,7 +31,7 @@ import structlog
 
 from proxy.diagnosis.writable import make_writable
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import SERVER_FACTS, ResponseRecord, ServerDuring, compact_once
+from proxy.record import SERVER_FACTS, CompactOnce, ResponseRecord, ServerDuring
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
@@ -42,13 +42,17 @@ SLICE_S = 0.0005  # a batch is delivered in slices of this long, the loop's othe
 class Delivery:
     """Hands records to a chain: enrichers, then observers, each in its order."""
 
-    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_lost", "_starts", "_timer", "_waiting")
+    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_lost", "_starts", "_timer", "_waiting",
+                 "compact")
 
     def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = (), *,
-                 batch_s: float = 0.0, on_lost: Callable[[], None] = lambda: None) -> None:
+                 batch_s: float = 0.0, on_lost: Callable[[], None] = lambda: None,
+                 compact: CompactOnce | None = None) -> None:
         """`batch_s`: the longest a finished record waits for its batch (0: delivered at once);
-        `on_lost`: a record could not be made at all (counted in llm_proxy_records_lost_total)."""
+        `on_lost`: a record could not be made at all (counted in llm_proxy_records_lost_total);
+        `compact`: the one compact dict per delivered record, which the observers made with it share."""
         self._lost = LostRecords(on_lost)
+        self.compact = compact if compact is not None else CompactOnce()
         chain = list(observers)
         self._enrichers = [(type(e).__name__, e) for e in enrichers]
         self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
@@ -144,7 +148,8 @@ class Delivery:
             self._finishing = False
 
     def _observe(self, record: ResponseRecord) -> None:
-        compact_once.delivering(record)  # its fields are final now: one compact dict for all observers
+        compact = self.compact
+        compact.delivering(record)  # its fields are final now: one compact dict for all observers
         try:
             for name, observer in self._finishes:
                 try:
@@ -152,7 +157,7 @@ class Delivery:
                 except Exception as exc:
                     note_failure(record, name, exc)
         finally:
-            compact_once.delivering(None)
+            compact.delivering(None)
 
     def _run(self, finish: Callable[[], None]) -> None:
         try:

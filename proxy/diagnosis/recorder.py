@@ -31,9 +31,9 @@ from proxy.record import (
     UpstreamErrorKind,
     utf8_text,
 )
-from proxy.wire.byte_budget import UNLIMITED, ByteBudget
 from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
+from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.parsers import load_json, parser_for
 from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
 
@@ -60,7 +60,7 @@ class ParseLimits:
 
     max_line_bytes: int = 4 * 1024 * 1024
     body_cap_bytes: int = 32 * 1024 * 1024
-    budget: ByteBudget = UNLIMITED  # shared by every exchange of a process
+    parse_bytes: ParseBytes = UNLIMITED  # shared by every exchange of a process
     fast_path: bool = True  # plain token events counted without decoding (identical records)
 
 
@@ -181,7 +181,7 @@ class Recorder:
             self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
                                                 max_line=self._limits.max_line_bytes,
                                                 body_cap=self._limits.body_cap_bytes,
-                                                budget=self._limits.budget, content_length=content_length,
+                                                parse_bytes=self._limits.parse_bytes, content_length=content_length,
                                                 fast_path=self._limits.fast_path))
 
     def chunk(self, data: bytes, now: float) -> None:

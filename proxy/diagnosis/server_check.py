@@ -307,7 +307,7 @@ class ServerCheck:
 
 
 def open_server_check(upstream: str, authorization: str | None, deliver: Callable[[ResponseRecord], None], *,
-                      probe: bool = True, tokenizer: bool = True, limits: QueueLimits = DEFAULT_LIMITS,
+                      identify: bool = True, tokenizer: bool = True, limits: QueueLimits = DEFAULT_LIMITS,
                       on_result: Callable[[str], None] = lambda result: None,
                       on_models: Callable[[Iterable[str]], None] = lambda names: None,
                       on_lost: Callable[[], None] = lambda: None, gate: CallGate | None = None) -> ServerCheck:
@@ -315,6 +315,6 @@ def open_server_check(upstream: str, authorization: str | None, deliver: Callabl
     without `probe` it never asks the server anything, and its facts stay unknown."""
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(limits.timeout_s, READ_TIMEOUT_S)),
                                     headers={"Authorization": authorization} if authorization else None)
-    facts = ServerFactsProbe(session, upstream, enabled=probe, on_models=on_models)
-    asker = ServerTokenizer(session, upstream) if tokenizer and probe else None
+    facts = ServerFactsProbe(session, upstream, enabled=identify, on_models=on_models)
+    asker = ServerTokenizer(session, upstream) if tokenizer and identify else None
     return ServerCheck(facts, asker, deliver, limits, on_result, session=session, on_lost=on_lost, gate=gate)

@@ -32,7 +32,7 @@ import structlog
 from proxy.diagnosis.delivery import LostRecords
 from proxy.diagnosis.prompt_rules import PromptCount
 from proxy.diagnosis.recorder import Recorder, TokenizerQuery
-from proxy.processes import OWNERS, ProcessLock
+from proxy.processes import OWNERS
 from proxy.record import ResponseRecord
 from proxy.wire.server_facts import ServerFacts
 
@@ -90,16 +90,9 @@ class QueueLimits:
 DEFAULT_LIMITS = QueueLimits()
 
 
-def shared_gate(context: Any) -> tuple[Any, Any, Any]:
-    """A CallGate's state in shared memory, for worker processes: each process's calls in flight,
-    the token bucket (allowance and the time it was last filled), and a lock the kernel drops when
-    its holder dies."""
-    return context.RawArray("q", OWNERS), context.RawArray("d", [1.0, time.monotonic()]), ProcessLock()
-
-
 class CallGate:
     """At most `in_flight` calls at once and `rate_per_s` a second: a token bucket that holds one
-    call, so the calls are spaced (no burst, even at the start). `shared` (from `shared_gate`) makes
+    call, so the calls are spaced (no burst, even at the start). `shared` (`proxy.serve.shared`) makes
     the bounds the whole proxy's across worker processes; `owner` is this process's slot in it."""
 
     def __init__(self, in_flight: int = IN_FLIGHT, rate_per_s: float = RATE_PER_S,

@@ -1,7 +1,7 @@
 """The hooks through which finished records reach the observers, declared once.
 
 The forwarding path knows nothing of Prometheus, NVML, logs or history: the diagnosis's Delivery
-calls these hooks on the chain that `serve.wiring.default_observers` declares in one list,
+calls these hooks on the chain that `serve.process.ServingProcess.open` declares in one list,
 enrichers first. An observer reads a record and never writes it; an enricher returns facts,
 which the diagnosis writes into the record before the observers see it.
 

@@ -12,7 +12,7 @@ import orjson
 import structlog
 
 from proxy.observers.hooks import Observer
-from proxy.record import ResponseRecord, compact_once
+from proxy.record import CompactOnce, ResponseRecord
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -61,14 +61,27 @@ class _JsonSink:
             self.flush_failed = repr(exc)[:200]
 
 
-_json_sink: _JsonSink | None = None
+class JsonLines:
+    """structlog's logger factory for JSON lines, and the sink that the response lines share with it
+    (found through structlog's own configuration, `json_sink`: no second global beside it)."""
+
+    def __init__(self, binary: Any, level: int) -> None:
+        self.sink = _JsonSink(binary, level)
+        self._factory = structlog.BytesLoggerFactory(binary)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._factory(*args)
+
+
+def json_sink() -> _JsonSink | None:
+    """Where response lines go when the logs are JSON (as configured now); None otherwise."""
+    factory = structlog.get_config().get("logger_factory")
+    return factory.sink if isinstance(factory, JsonLines) else None
 
 
 def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None) -> None:
     """JSON lines (bytes via orjson) or coloured console lines on stdout, filtered by level."""
-    global _json_sink
     out = stream if stream is not None else sys.stdout
-    _json_sink = None
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -77,8 +90,7 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None
     if fmt == "json":
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(_orjson_dumps)]
         binary: Any = getattr(out, "buffer", None) or out
-        factory: Any = structlog.BytesLoggerFactory(binary)
-        _json_sink = _JsonSink(binary, _LEVELS.get(level, logging.INFO))
+        factory: Any = JsonLines(binary, _LEVELS.get(level, logging.INFO))
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty() if hasattr(out, "isatty") else False))
         factory = structlog.PrintLoggerFactory(out)
@@ -122,15 +134,19 @@ class LogObserver(Observer):
     fields and context, the record, the event, level, timestamp), in one orjson call: the chain's processors
     cost about as much again, once per response."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, compact: CompactOnce | None = None) -> None:
+        """`compact`: the delivery's one compact dict per record (made here each time without it).
+        The logs' format is the one configured when the observer is made."""
         self.upstream = upstream
         self._log = structlog.get_logger("llm_diag_proxy").bind(upstream=upstream)
+        self._compact = compact if compact is not None else CompactOnce()
+        self.sink = json_sink()
 
     def on_response(self, record: ResponseRecord) -> None:
-        sink = _json_sink
+        sink = self.sink
         if sink is not None and sink.level > logging.INFO:
             return
-        fields = compact_once.compact(record)  # (no None values: the line leaves them out; not to be changed)
+        fields = self._compact.compact(record)  # (no None values: the line leaves them out; not to be changed)
         if sink is None:
             self._log.info("response", **{k: v for k, v in fields.items() if v or k != "observer_errors"})
             return

@@ -115,8 +115,9 @@ class BoundedLabel:
         return name, True
 
 
-class ProxyMetrics:
-    """The proxy's metrics in their own registry, so several proxies can live in one process."""
+class RecordMetrics:
+    """The metrics each serving process counts from its own records (one process, or each of N
+    workers, whose registries the supervisor serves summed: `proxy.observers.metrics_merge`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50, max_clients: int = 0) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -140,8 +141,6 @@ class ProxyMetrics:
             "cut, client_gone, client_error, unknown, not_inference), reasoning (mostly: a length stop whose "
             "budget went mostly to thinking) and the concurrency bucket of the response's peak.",
             ["route", "model", "stop_reason", "cause", "outcome", "reasoning", "concurrency"], registry=r)
-        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
-                               "concurrency tracker at scrape time).", registry=r)
         self.output_tokens = Histogram(
             "llm_proxy_output_tokens", "Output tokens per answer (usage when reported, else counted); the "
             "exemplar names a recent request.", ["model", "concurrency"], buckets=TOKEN_BUCKETS, registry=r)
@@ -191,9 +190,6 @@ class ProxyMetrics:
             "llm_proxy_invalid_requests", "Requests refused with a 400 before any handler ran, because they "
             "are not valid HTTP (a header line over 8190 bytes, a control byte in a value), by reason.",
             ["reason"], registry=r)
-        self.workers = Gauge(
-            "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
-        self.workers.set(1)
         self.history_up = Gauge(
             "llm_proxy_history_up", "1 while records are written to the history database (--history), "
             "0 when it is off or cannot be written (full or read-only disk).", registry=r)
@@ -207,38 +203,6 @@ class ProxyMetrics:
             "llm_proxy_records_lost", "Records the proxy could not make or hand on: a failure of the record "
             "path (said once per kind in the log), or a worker's channel full or broken; their exchanges were "
             "relayed all the same.", registry=r)
-        self.parse_budget_used = Gauge(
-            "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
-            "process-wide (--parse-budget bounds it).", registry=r)
-        self._parse_budget_refusals: Callable[[], float] = lambda: 0.0
-        r.register(_CallbackCounter("llm_proxy_parse_budget_refusals", "Bodies passed through unread because "
-                                    "the process-wide parse budget was spent.", lambda: self._parse_budget_refusals()))
-        # --- GPU telemetry (NVML) ------------------------------------------------------------
-        gpu_labels = ["gpu", "uuid", "name"]
-        self.gpu_memory_used = Gauge(
-            "llm_proxy_gpu_memory_used_bytes", "GPU memory in use.", gpu_labels, registry=r)
-        self.gpu_memory_free = Gauge(
-            "llm_proxy_gpu_memory_free_bytes", "GPU memory free.", gpu_labels, registry=r)
-        self.gpu_memory_total = Gauge(
-            "llm_proxy_gpu_memory_total_bytes", "GPU memory in all.", gpu_labels, registry=r)
-        self.gpu_utilization = Gauge(
-            "llm_proxy_gpu_utilization_ratio", "GPU utilization (0-1) over NVML's last sample period.",
-            gpu_labels, registry=r)
-        self.gpu_process_memory = Gauge(
-            "llm_proxy_gpu_process_memory_bytes", "GPU memory used by each process.",
-            ["gpu", "pid", "process"], registry=r)
-        self.gpu_telemetry_up = Gauge(
-            "llm_proxy_gpu_telemetry_up", "1 while NVML telemetry works, else 0.", registry=r)
-        # --- the upstream server's own state -----------------------------------------------
-        # Exported only while known: a figure the upstream does not report is absent, never NaN.
-        self.upstream_state = UpstreamStateCollector()
-        r.register(self.upstream_state)
-        self.upstream_model_vram = Gauge(
-            "llm_proxy_upstream_model_vram_bytes", "VRAM held by each loaded model (Ollama /api/ps).",
-            ["model"], registry=r)
-        self.upstream_telemetry_up = Gauge(
-            "llm_proxy_upstream_telemetry_up", "1 while the upstream's state can be read, else 0.",
-            ["source"], registry=r)
         self._children: dict[tuple[Any, ...], Any] = {}
         # Bounded label sets are exported at 0 from the start: a series first scraped at 1 has no
         # increase that rate()/increase() can see, so the first event of a kind would go unalerted.
@@ -249,13 +213,6 @@ class ProxyMetrics:
                 self.deadline_hits.labels(kind, mode)
         for error_kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(error_kind)
-
-    def read_state(self, *, in_flight: Callable[[], float], parse_budget_used: Callable[[], float],
-                   parse_budget_refusals: Callable[[], float]) -> None:
-        """Figures the process already knows, read at scrape time rather than counted twice."""
-        self.in_flight.set_function(in_flight)
-        self.parse_budget_used.set_function(parse_budget_used)
-        self._parse_budget_refusals = parse_budget_refusals
 
     def count_tokenizer(self, result: str) -> None:
         """One length stop through the server's tokenizer (`proxy.diagnosis.server_check`: a bounded set of results)."""
@@ -311,10 +268,75 @@ class ProxyMetrics:
         return child
 
 
+class ProcessMetrics:
+    """The metrics of the proxy as a whole, read from state it already holds: what is in flight, the
+    bytes held for parsing, the workers, and the GPU and upstream telemetry. One process keeps them
+    beside its record metrics; with `--workers` the supervisor keeps them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.max_models = max_models  # (the upstream's loaded models exported, at most)
+        r = self.registry
+        self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
+                               "concurrency tracker at scrape time).", registry=r)
+        self.workers = Gauge(
+            "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
+        self.workers.set(1)
+        # (Their names are older than --parse-bytes, and kept: dashboards and alerts read them.)
+        self.parse_bytes_used = Gauge(
+            "llm_proxy_parse_budget_used_bytes", "Bytes held now to read request and response bodies, "
+            "process-wide (--parse-bytes bounds them).", registry=r)
+        self._parse_bytes_refusals: Callable[[], float] = lambda: 0.0
+        r.register(_CallbackCounter("llm_proxy_parse_budget_refusals", "Bodies passed through unread because "
+                                    "the process-wide bytes held for parsing (--parse-bytes) ran out.",
+                                    lambda: self._parse_bytes_refusals()))
+        # --- GPU telemetry (NVML) ------------------------------------------------------------
+        gpu_labels = ["gpu", "uuid", "name"]
+        self.gpu_memory_used = Gauge(
+            "llm_proxy_gpu_memory_used_bytes", "GPU memory in use.", gpu_labels, registry=r)
+        self.gpu_memory_free = Gauge(
+            "llm_proxy_gpu_memory_free_bytes", "GPU memory free.", gpu_labels, registry=r)
+        self.gpu_memory_total = Gauge(
+            "llm_proxy_gpu_memory_total_bytes", "GPU memory in all.", gpu_labels, registry=r)
+        self.gpu_utilization = Gauge(
+            "llm_proxy_gpu_utilization_ratio", "GPU utilization (0-1) over NVML's last sample period.",
+            gpu_labels, registry=r)
+        self.gpu_process_memory = Gauge(
+            "llm_proxy_gpu_process_memory_bytes", "GPU memory used by each process.",
+            ["gpu", "pid", "process"], registry=r)
+        self.gpu_telemetry_up = Gauge(
+            "llm_proxy_gpu_telemetry_up", "1 while NVML telemetry works, else 0.", registry=r)
+        # --- the upstream server's own state -----------------------------------------------
+        # Exported only while known: a figure the upstream does not report is absent, never NaN.
+        self.upstream_state = UpstreamStateCollector()
+        r.register(self.upstream_state)
+        self.upstream_model_vram = Gauge(
+            "llm_proxy_upstream_model_vram_bytes", "VRAM held by each loaded model (Ollama /api/ps).",
+            ["model"], registry=r)
+        self.upstream_telemetry_up = Gauge(
+            "llm_proxy_upstream_telemetry_up", "1 while the upstream's state can be read, else 0.",
+            ["source"], registry=r)
+
+    def read_state(self, *, in_flight: Callable[[], float], parse_bytes_used: Callable[[], float],
+                   parse_bytes_refusals: Callable[[], float]) -> None:
+        """Figures the process already knows, read at scrape time rather than counted twice."""
+        self.in_flight.set_function(in_flight)
+        self.parse_bytes_used.set_function(parse_bytes_used)
+        self._parse_bytes_refusals = parse_bytes_refusals
+
+
+class ProxyMetrics(RecordMetrics, ProcessMetrics):
+    """Both in one registry: the metrics of a proxy that runs in one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_models: int = 50, max_clients: int = 0) -> None:
+        RecordMetrics.__init__(self, registry, max_models, max_clients)
+        ProcessMetrics.__init__(self, self.registry, max_models)
+
+
 class MetricsObserver(Observer):
     """Turns each finished record into metric updates."""
 
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: RecordMetrics) -> None:
         self.metrics = metrics
 
     def on_response_start(self, record: ResponseRecord) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ from proxy.record import ResponseRecord, concurrency_bucket
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+OWNER_SPAN = 128  # sequence numbers are microseconds x OWNER_SPAN + owner (at most 64 workers and 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +62,18 @@ class RecordStore(Observer):
     """Keeps the last `capacity` records (an observer: it stores each finished record).
 
     Each record gets a sequence number as it is stored; a cursor is one, so pages stay put while
-    new records arrive.
+    new records arrive. The numbers are the microsecond it was stored times OWNER_SPAN, plus the
+    `owner` (the worker; 0 alone), and rise within one store: the rings of N workers read as one,
+    newest first, by their numbers, with no number twice.
     """
 
-    def __init__(self, capacity: int = 10_000) -> None:
+    def __init__(self, capacity: int = 10_000, owner: int = 0) -> None:
         self.capacity = capacity
+        self.owner = owner
         self._ring: deque[tuple[int, ResponseRecord]] = deque()
         self._by_id: dict[str, ResponseRecord] = {}
         self.total = 0  # records ever stored, the evicted ones included
+        self._last = 0  # the last sequence number given
 
     def on_response(self, record: ResponseRecord) -> None:
         if len(self._ring) >= self.capacity:
@@ -75,7 +82,8 @@ class RecordStore(Observer):
                 if key is not None and self._by_id.get(key) is old:
                     del self._by_id[key]
         self.total += 1
-        self._ring.append((self.total, record))
+        self._last = seq = max(self._last + OWNER_SPAN, time.time_ns() // 1000 * OWNER_SPAN + self.owner)
+        self._ring.append((seq, record))
         self._by_id[record.request_id] = record
         if record.upstream_request_id is not None:
             self._by_id.setdefault(record.upstream_request_id, record)
@@ -104,15 +112,20 @@ def page_of(ring: Sequence[tuple[int, ResponseRecord]], query: RecordQuery) -> P
     """The newest records of `ring` (sequence numbers ascending) that match, older than the cursor."""
     found: list[ResponseRecord] = []
     last_seq: int | None = None
-    end = len(ring)
-    if query.cursor is not None and ring:  # numbers run on by one: the cursor says where to begin
-        end = min(end, max(0, query.cursor - ring[0][0]))
-    for index in range(end - 1, -1, -1):
-        seq, record = ring[index]
-        if not query.matches(record):
-            continue
+    for seq, record in matching(ring, query):
         if len(found) == query.limit:
             return Page(found, last_seq)
         found.append(record)
         last_seq = seq
     return Page(found, None)
+
+
+def matching(ring: Sequence[tuple[int, ResponseRecord]], query: RecordQuery) -> Iterator[tuple[int, ResponseRecord]]:
+    """The records of `ring` (sequence numbers ascending) that match, newest first, older than the cursor."""
+    end = len(ring)
+    if query.cursor is not None:
+        end = bisect_left(ring, query.cursor, key=lambda entry: entry[0])
+    for index in range(end - 1, -1, -1):
+        entry = ring[index]
+        if query.matches(entry[1]):
+            yield entry

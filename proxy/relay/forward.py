@@ -45,7 +45,7 @@ from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
-from proxy.wire.byte_budget import ByteBudget
+from proxy.wire.parse_bytes import ParseBytes
 from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -127,7 +127,7 @@ class Forwarder:
     """The aiohttp handler of the proxy port."""
 
     def __init__(self, config: ProxyConfig, observers: Delivery, concurrency: InFlightTracker,
-                 budget: ByteBudget, check: ServerCheck | None = None,
+                 parse_bytes: ParseBytes, check: ServerCheck | None = None,
                  on_refused: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
         self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
@@ -136,8 +136,8 @@ class Forwarder:
         self.observers = observers
         self.check = check  # what only the server can still say, asked after each response
         self.concurrency = concurrency
-        self.budget = budget
-        self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, budget)
+        self.parse_bytes = parse_bytes
+        self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, parse_bytes)
         self.active: set[Deadlines] = set()  # one per exchange in progress: what shutdown() ends
         self.shutting_down = False
 
@@ -219,7 +219,7 @@ class _Exchange:
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
         self.body_cap = forwarder.config.request_body_cap_bytes
-        self.body = RequestBody(request, forwarder.budget)
+        self.body = RequestBody(request, forwarder.parse_bytes)
         self.request = request
         self.recorder = recorder
         self.deadlines = deadlines
@@ -438,7 +438,7 @@ class _Exchange:
         if passed is not None:
             recorder.deadline_observed(passed)
         # What the record is made of is fixed now: a streamed answer holding little is finished with
-        # the batch of records (`Delivery.later`), any other at once (its body under the parse budget).
+        # the batch of records (`Delivery.later`), any other at once (its body within the bytes held for parsing).
         finish = partial(_finish, recorder, self.observers, self.check,
                          None if self.check is None else self.check.facts, self.request.headers.get("Authorization"))
         if recorder.tally.streaming and recorder.held_bytes <= DEFERRED_MAX_BYTES:

@@ -7,20 +7,19 @@ takes the maximum of the ring's entries since its own admission (one C-level `ma
 
 The state lives either in this process or, with `--workers N`, in shared memory that every
 worker process updates under one lock, so the counts are those of the whole proxy, not of one
-worker (`SharedCounts`). The in-flight count is the sum of each process's share, so that a worker
+worker (`proxy.serve.shared.SharedState`). The in-flight count is the sum of each process's share, so that a worker
 that dies takes its requests out with it (`InFlightTracker.forget`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
 from array import array
 from collections.abc import Callable
 from typing import Any
 
-from proxy.processes import OWNERS, ProcessLock
+from proxy.processes import OWNERS
 
 RING = 1 << 16  # admissions remembered for the peak; a request that outlives more sees the last RING
 _INTEGRAL, _LAST_CHANGE, _ADMISSIONS = range(3)
@@ -40,28 +39,14 @@ class Slot:
 
 
 class LocalCounts:
-    """The counts of one process: plain memory, no lock."""
+    """The counts of one process: plain memory, no lock. (With `--workers N` the same fields live in
+    shared memory under a lock the kernel drops when its holder dies: `proxy.serve.shared`.)"""
 
     def __init__(self) -> None:
         self.values: Any = array("d", [0.0, time.monotonic(), 0.0])
         self.shares: Any = array("i", bytes(4 * OWNERS))
         self.ring: Any = array("i", bytes(4 * RING))
         self.lock: Any = contextlib.nullcontext()
-
-
-class SharedCounts:
-    """The same counts in shared memory, for worker processes (pickled to them when they start).
-
-    The in-flight count is the sum of each process's own share, so that the supervisor can take a
-    dead worker's requests out of it at once and exactly (`forget`); the lock is one the kernel
-    drops when its holder dies (proxy.processes)."""
-
-    def __init__(self, context: Any = None) -> None:
-        context = context or multiprocessing.get_context("spawn")
-        self.values: Any = context.RawArray("d", [0.0, time.monotonic(), 0.0])
-        self.shares: Any = context.RawArray("i", OWNERS)
-        self.ring: Any = context.RawArray("i", RING)
-        self.lock: Any = ProcessLock()
 
 
 class InFlightTracker:
@@ -71,7 +56,7 @@ class InFlightTracker:
 
     __slots__ = ("_active", "_clock", "_counts", "_owner", "_ring", "_shares", "_values")
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, counts: LocalCounts | SharedCounts | None = None,
+    def __init__(self, clock: Callable[[], float] = time.monotonic, counts: Any = None,
                  owner: int = 0) -> None:
         self._clock = clock
         self._counts = counts if counts is not None else LocalCounts()

@@ -1,10 +1,10 @@
 """A client's request body on its way upstream: held once to be read, or streamed on unread.
 
 The proxy reads a body before it connects upstream, so that it knows what was asked. A body that
-fits the parse cap and the process-wide budget is held in one bytearray, read for the record, and
-sent from that same buffer (in slices past SEND_SLICE, so a big one is never copied whole). A body
-past either limit is streamed on as it arrives, with the client's own Content-Length, and the
-record says why it was not read.
+fits the parse cap and the process-wide bound on bytes held for parsing (`--parse-bytes`) is held in
+one bytearray, read for the record, and sent from that same buffer (in slices past SEND_SLICE, so a
+big one is never copied whole). A body past either limit is streamed on as it arrives, with the
+client's own Content-Length, and the record says why it was not read.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.wire.byte_budget import ByteBudget
+from proxy.wire.parse_bytes import ParseBytes
 
 SEND_SLICE = 1 << 20  # bytes per write of a held body
 
@@ -24,22 +24,22 @@ Outgoing = memoryview | AsyncIterator[bytes | bytearray | memoryview] | None
 class RequestBody:
     """One request's body: `held` (read whole), or unread with `note` saying why."""
 
-    __slots__ = ("_budget", "_request", "_reserved", "held", "note", "unread")
+    __slots__ = ("_parse_bytes", "_request", "_reserved", "held", "note", "unread")
 
-    def __init__(self, request: web.BaseRequest, budget: ByteBudget) -> None:
+    def __init__(self, request: web.BaseRequest, parse_bytes: ParseBytes) -> None:
         self._request = request
-        self._budget = budget
-        self._reserved = 0  # bytes of `held` counted against the budget
+        self._parse_bytes = parse_bytes
+        self._reserved = 0  # bytes of `held` counted in the bytes held for parsing
         self.held: bytearray | None = None  # the whole body, when it was read
         self.note: str | None = None  # why it was not read
         self.unread: tuple[bytearray, bytes] | None = None  # what was taken before giving up
 
     async def read(self, cap: int) -> None:
-        """Take the body until its end, or until the cap or the budget stops it (then it streams).
+        """Take the body until its end, or until the cap or `--parse-bytes` stops it (then it streams).
 
-        A body of declared length takes its share of the budget whole before it is read: many big
+        A body of declared length takes its share of the bytes held whole before it is read: many big
         bodies at once are then read first come, first served, rather than each taking part of
-        the budget and all failing. A chunked one takes its share piece by piece.
+        the bound and all failing. A chunked one takes its share piece by piece.
         """
         request = self._request
         if not request.body_exists:
@@ -49,7 +49,7 @@ class RequestBody:
             if declared > cap:
                 self._pass_on(bytearray(), b"", _over_cap(cap))
                 return
-            if not self._budget.reserve(declared):
+            if not self._parse_bytes.reserve(declared):
                 self._pass_on(bytearray(), b"", _BUDGET_SPENT)
                 return
             self._reserved = declared
@@ -63,7 +63,7 @@ class RequestBody:
                 if len(head) + len(chunk) > cap:
                     self._pass_on(head, chunk, _over_cap(cap))
                     return
-                if not self._budget.reserve(len(chunk)):
+                if not self._parse_bytes.reserve(len(chunk)):
                     self._pass_on(head, chunk, _BUDGET_SPENT)
                     return
                 self._reserved += len(chunk)
@@ -97,12 +97,12 @@ class RequestBody:
             yield rest
 
     def release(self) -> None:
-        """Give the held bytes back to the budget (idempotent)."""
-        self._budget.release(self._reserved)
+        """Give the held bytes back (idempotent)."""
+        self._parse_bytes.release(self._reserved)
         self._reserved = 0
 
 
-_BUDGET_SPENT = "the process-wide parse budget (--parse-budget) was spent: request body not parsed"
+_BUDGET_SPENT = "the process-wide bytes held for parsing (--parse-bytes) ran out: request body not parsed"
 
 
 def _over_cap(cap: int) -> str:

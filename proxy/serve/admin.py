@@ -18,25 +18,25 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 import structlog
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
 from proxy.config import parse_duration
-from proxy.observers.history import History, HistoryError
-from proxy.observers.metrics import ProxyMetrics
-from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery, RecordStore, page_of
+from proxy.observers.history import HistoryError, HistorySource
+from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery
 from proxy.record import CAUSES, CONCURRENCY_BUCKETS, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
-from proxy.serve.admin_reads import AdminBusy, AdminReaders, AdminReadFailed, Blobs, json_arrays
+from proxy.serve.admin_reads import AdminBusy, AdminReaders, AdminReadFailed
+from proxy.serve.messages import PageFound
 from proxy.sweep.live import BY
 
 _log = structlog.get_logger("llm_diag_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-BATCH = 50  # records serialised between two yields to the event loop
 LENGTH_CAUSES: tuple[str, ...] = LengthCause.__args__  # type: ignore[attr-defined]
 
 
@@ -126,15 +126,41 @@ def record_query(query: dict[str, str]) -> RecordQuery:
         cursor=cursor, limit=limit)
 
 
-async def records_body(head: dict[str, object], records: Sequence[ResponseRecord], tail: dict[str, object]) -> bytes:
-    """`{...head, "records": [...], ...tail}`, serialised BATCH records at a time with the loop free between."""
-    arrays = await json_arrays(records, BATCH)
-    opening = orjson.dumps(head)[:-1] + (b',"records":[' if head else b'"records":[')
-    return opening + b",".join(array[1:-1] for array in arrays if len(array) > 2) + b"]," + orjson.dumps(tail)[1:]
+class RecordSource(Protocol):
+    """The records the admin listener reads: one serving process's (`proxy.serve.process.LocalRecords`),
+    or every worker's (`proxy.serve.workers.WorkerRecords`). Each read sees every record of an answer
+    that ended before it: what waits for its batch is delivered first."""
+
+    @property
+    def history_source(self) -> HistorySource | None:
+        """Where the history is read; None when none is kept."""
+        ...
+
+    async def settle(self) -> bool | None:
+        """Deliver what waits, and let the history write what it was handed; whether the history
+        is up (None: none is kept)."""
+        ...
+
+    async def page(self, query: RecordQuery) -> PageFound:
+        """A page of the in-memory records."""
+        ...
+
+    async def get(self, request_id: str) -> bytes | None:
+        """One record's JSON, by the proxy's request id or the upstream's own."""
+        ...
+
+    async def ring(self, query: RecordQuery) -> list[bytes]:
+        """Every matching in-memory record, as JSON arrays."""
+        ...
+
+    async def refresh_metrics(self) -> None:
+        """Bring the metrics up to every record delivered."""
+        ...
 
 
-class UpstreamProbe:
-    """Can the upstream be reached? Said by /readyz; probed at most once a second, whatever the traffic."""
+class UpstreamReachability:
+    """Can the upstream be reached? Said by /readyz; tried at most once a second, whatever the traffic
+    (a TCP connection and a `GET /`, on the proxy's own session, never through its port)."""
 
     def __init__(self, upstream: str, session: aiohttp.ClientSession, authorization: str | None = None) -> None:
         self.upstream = upstream
@@ -143,7 +169,7 @@ class UpstreamProbe:
         self._checked_at = 0.0
         self._result: tuple[bool, str] = (False, "not checked yet")
 
-    async def check(self) -> tuple[bool, str]:
+    async def reachable(self) -> tuple[bool, str]:
         now = time.monotonic()
         if now - self._checked_at < 1.0:
             return self._result
@@ -217,23 +243,17 @@ def allowed_host(host: str, names: frozenset[str]) -> bool:
     return True
 
 
-def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamProbe, token: str | None = None,
-                    ready: Callable[[], bool] = lambda: True, history: History | None = None,
+def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream: UpstreamReachability,
+                    token: str | None = None, ready: Callable[[], bool] = lambda: True,
                     allowed_hosts: frozenset[str] = frozenset(),
                     readers: AdminReaders | None = None, instance: str | None = None,
-                    before_read: Callable[[], None] | None = None,
                     about: Callable[[], dict[str, Any]] | None = None) -> web.Application:
-    """`before_read`: called before each answer (the records waiting for their batch delivered, so
-    that the metrics, the records and the history hold every answer that has ended). `about`: the
-    proxy's own addresses and what its upstream says of itself (`GET /api/about`)."""
+    """`records`: what is read (every answer that has ended is in it); `registry`: what /metrics
+    says, once `records` brought it up to date; `about`: the proxy's own addresses and what its
+    upstream says of itself (`GET /api/about`)."""
     sessions = Sessions(token) if token else None
     readers = readers or AdminReaders()
-
-    @web.middleware
-    async def delivered(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if before_read is not None:
-            before_read()
-        return await handler(request)
+    history_source = records.history_source
 
     @web.middleware
     async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -290,7 +310,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             return _busy(exc)
 
     async def read(request: web.Request, name: str, *args: object,
-                   blobs: Blobs | None = None) -> web.StreamResponse | AdminReadFailed:
+                   blobs: Callable[[], Awaitable[list[bytes]]] | None = None) -> web.StreamResponse | AdminReadFailed:
         """A reader's answer written out, a 503 when the readers are busy, or why the read failed."""
         try:
             body = await readers.run(name, *args, blobs=blobs)
@@ -321,24 +341,21 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         admin = f"{request.scheme}://{request.host}"
         target = addresses.get("url") or "http://127.0.0.1:8080"
         asked = request.query.get("instance") or None
-        if history is not None and history.up:
+        if history_source is not None and await records.settle():
             # A fleet's shared history holds every replica's records, and a verdict mixes none of
             # them: by default it is this proxy's own; `by=instance` judges each and names the one
             # that differs.
-            shared = history.source.postgres and by is None and asked is None
+            shared = history_source.postgres and by is None and asked is None
             query = RecordQuery(since=since, instance=instance if shared else asked)
-            done = await read(request, "diagnose", history.source, query, min_per_level, target, admin, by)
+            done = await read(request, "diagnose", history_source, query, min_per_level, target, admin, by)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
                 return _read_failed(done)
 
         query = RecordQuery(since=since, instance=asked)
-
-        async def ring() -> list[bytes]:
-            return await json_arrays([r for _, r in store.snapshot() if query.matches(r)])
-
-        done = await read(request, "diagnose", None, query, min_per_level, target, admin, by, blobs=ring)
+        done = await read(request, "diagnose", None, query, min_per_level, target, admin, by,
+                          blobs=lambda: records.ring(query))
         return _read_failed(done) if isinstance(done, AdminReadFailed) else done
 
     async def metrics_page(request: web.Request) -> web.Response:
@@ -346,7 +363,8 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         # Rendered off the event loop: thousands of lines take ~0.1 s of pure Python, which in a
         # thread yields the loop every few ms (prometheus_client locks each metric as it copies it).
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = await asyncio.to_thread(encoder, metrics.registry)
+        await records.refresh_metrics()
+        body = await asyncio.to_thread(encoder, registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def healthz(request: web.Request) -> web.Response:
@@ -357,13 +375,13 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
         would pull the only replica out of its Service while vLLM loads or stalls; upstream health
         is a metric and an alert). `?upstream=required` asks for the upstream's answer as well."""
         if not ready():
-            return _json({"status": "not_ready", "upstream": probe.upstream, "upstream_reachable": None,
+            return _json({"status": "not_ready", "upstream": upstream.upstream, "upstream_reachable": None,
                           "detail": "the proxy port is not accepting: starting, shutting down, "
                                     "or no worker alive"}, 503)
-        reachable, detail = await probe.check()
+        reachable, detail = await upstream.reachable()
         strict = request.query.get("upstream") == "required"
         status = "ready" if reachable or not strict else "not_ready"
-        return _json({"status": status, "upstream": probe.upstream, "upstream_reachable": reachable,
+        return _json({"status": status, "upstream": upstream.upstream, "upstream_reachable": reachable,
                       "detail": detail}, 200 if status == "ready" else 503)
 
     async def list_requests(request: web.Request) -> web.StreamResponse:
@@ -373,33 +391,35 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
             query = record_query(dict(request.query))
         except BadQuery as exc:
             return _error(400, "bad_request", str(exc))
-        if history is not None and history.up:
-            # Read-your-writes: the records handed to the writer before this request are written first.
-            await asyncio.to_thread(history.settle)
-            done = await read(request, "history_page", history.source, query)
+        # Read-your-writes: the records of answers that ended before this request are written first.
+        if history_source is not None and await records.settle():
+            done = await read(request, "history_page", history_source, query)
             if not isinstance(done, AdminReadFailed):
                 return done
             if done.kind != "history":
                 return _read_failed(done)
         try:
             async with readers.memory.turn():
-                page = await asyncio.to_thread(page_of, store.snapshot(), query)
-                head = {"count": len(page.records), "source": "memory", "stored": len(store),
-                        "capacity": store.capacity}
-                body = await records_body(head, page.records, {"next_cursor": page.next_cursor})
+                page = await records.page(query)
+                next_cursor = page.records[-1][0] if page.more and page.records else None
+                head = {"count": len(page.records), "source": "memory", "stored": page.stored,
+                        "capacity": page.capacity}
+                body = (orjson.dumps(head)[:-1] + b',"records":[' + b",".join(body for _, body in page.records)
+                        + b'],"next_cursor":' + orjson.dumps(next_cursor) + b"}")
         except AdminBusy as exc:
             return _busy(exc)
         return await answer(request, body)
 
     async def one_request(request: web.Request) -> web.Response:
         request_id = request.match_info["request_id"]
-        record = store.get(request_id)
-        if record is None and history is not None and history.up:
+        found = await records.get(request_id)
+        if found is None and history_source is not None:
             with contextlib.suppress(HistoryError):
-                record = await asyncio.to_thread(history.get, request_id)
-        if record is None:
+                record = await asyncio.to_thread(_history_get, history_source, request_id)
+                found = None if record is None else orjson.dumps(record.to_dict(), default=str)
+        if found is None:
             return _error(404, "not_found", "no record with that request id (not in memory nor in the history)")
-        return _json(record.to_dict())
+        return web.Response(body=found, content_type="application/json")
 
     async def about_page(request: web.Request) -> web.Response:
         """Where this proxy listens and what its server says of itself: what the sweep needs to
@@ -413,7 +433,7 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
     async def close_reader(app: web.Application) -> None:
         await readers.close()
 
-    app = web.Application(middlewares=[delivered, check_host, require_token])
+    app = web.Application(middlewares=[check_host, require_token])
     app.on_cleanup.append(close_reader)
     app.on_response_prepare.append(no_server_version)
     app.router.add_get("/", page)
@@ -425,3 +445,8 @@ def build_admin_app(store: RecordStore, metrics: ProxyMetrics, probe: UpstreamPr
     app.router.add_get("/api/requests", list_requests)
     app.router.add_get("/api/requests/{request_id}", one_request)
     return app
+
+
+def _history_get(source: HistorySource, request_id: str) -> ResponseRecord | None:
+    """One record of the history (in a thread: a read of its own)."""
+    return source.backend().get(request_id)

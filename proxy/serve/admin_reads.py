@@ -35,7 +35,7 @@ from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
 
 _log = structlog.get_logger("llm_diag_proxy")
-Blobs = Callable[[], Awaitable[list[bytes]]]
+Blobs = Callable[[], Awaitable[list[bytes]]]  # made once a job's turn comes
 WAITING = 8  # pieces of admin work that may wait for the one running, per lane; past them, 503
 TIMEOUT_S = 120.0
 IDLE_S = 60.0
@@ -318,12 +318,3 @@ class AdminReaders:
 
     async def close(self) -> None:
         await asyncio.gather(self.pages.close(), self.verdicts.close())
-
-
-async def json_arrays(records: Sequence[ResponseRecord], batch: int = RING_BATCH) -> list[bytes]:
-    """The records as JSON arrays of `batch` each, the loop free between two."""
-    arrays: list[bytes] = []
-    for start in range(0, len(records), batch):
-        arrays.append(orjson.dumps([r.to_dict() for r in records[start:start + batch]], default=str))
-        await asyncio.sleep(0)
-    return arrays

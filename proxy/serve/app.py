@@ -1,12 +1,12 @@
-"""The proxy in one process: the proxy listener, the admin listener, the observers between them,
-and a shutdown that ends every stream visibly and writes its record before the process exits."""
+"""The proxy in one process: the serving process (`proxy.serve.process`), run once, beside the admin
+listener and the telemetry pollers, and a shutdown that ends every stream visibly and writes its
+record before the process exits."""
 
 from __future__ import annotations
 
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import structlog
@@ -24,78 +24,77 @@ from proxy.observers.tracing import Tracer, TracingUnavailable
 from proxy.relay.forward import Forwarder
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.listeners import listen
+from proxy.serve.admin import UpstreamReachability, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
-from proxy.serve.wiring import (
-    RUNNER_SHUTDOWN_S,
-    Observing,
-    about,
-    drain,
-    history_shown,
-    proxy_application,
-    run_loop,
-    server_check,
-    until_stopped,
-    upstream_session,
-)
-from proxy.wire.byte_budget import ByteBudget
+from proxy.serve.process import RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
+from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
 
 
 @dataclass
 class RunningProxy:
-    """A started proxy: its two listeners, its record store and metrics (read through `store`,
-    `metrics` and `history`, every finished record is in them: those waiting for their batch are
-    delivered first)."""
+    """A started proxy: its two listeners, its records and metrics (read through `store`, `metrics`
+    and `history`, every finished record is in them: those waiting for their batch are delivered
+    first)."""
 
     config: ProxyConfig
-    proxy_url: str
-    admin_url: str
-    _store: RecordStore
+    serving: ServingProcess
     _metrics: ProxyMetrics
-    concurrency: InFlightTracker
-    observers: Delivery
-    forwarder: Forwarder
-    _runners: list[web.BaseRunner] = field(default_factory=list)
-    _proxy_site: web.TCPSite | None = None
-    _session: aiohttp.ClientSession | None = None
-    _observing: Observing | None = None
-    _history: History | None = None
-    tracer: Tracer | None = None
-    check: ServerCheck | None = None
+    telemetry: Telemetry
+    session: aiohttp.ClientSession
     readers: AdminReaders = field(default_factory=AdminReaders)
+    proxy_url: str = ""
+    admin_url: str = ""
+    _admin_runner: web.BaseRunner | None = None
     _closed: bool = False
 
     @property
+    def delivery(self) -> Delivery:
+        return self.serving.delivery
+
+    @property
     def store(self) -> RecordStore:
-        self.observers.flush()
-        return self._store
+        self.delivery.flush()
+        return self.serving.store
 
     @property
     def metrics(self) -> ProxyMetrics:
-        self.observers.flush()
+        self.delivery.flush()
         return self._metrics
 
     @property
     def history(self) -> History | None:
-        self.observers.flush()
-        return self._history
+        self.delivery.flush()
+        return self.serving.history
 
     @property
-    def telemetry(self) -> Telemetry:
-        """The GPU and upstream pollers of this proxy."""
-        assert self._observing is not None
-        return self._observing.telemetry
+    def concurrency(self) -> InFlightTracker:
+        return self.serving.concurrency
+
+    @property
+    def forwarder(self) -> Forwarder:
+        return self.serving.forwarder
+
+    @property
+    def check(self) -> ServerCheck:
+        return self.serving.check
+
+    @property
+    def tracer(self) -> Tracer | None:
+        return self.serving.tracer
+
+    @property
+    def runners(self) -> list[web.BaseRunner]:
+        """The proxy listener's and the admin listener's."""
+        return [runner for runner in (self.serving.runner, self._admin_runner) if runner is not None]
 
     async def shutdown(self, grace_s: float) -> float:
         """Stop: refuse new connections and requests at once, let open exchanges finish for up to
         `grace_s`, end the rest visibly (`proxy_shutdown`), write every record, close. Returns the
         seconds it took."""
         started = time.monotonic()
-        if self._proxy_site is not None:
-            await self._proxy_site.stop()  # the listening socket closes: new connections are refused
-            self._proxy_site = None
-        await drain(self.forwarder, started + grace_s, grace_s)
+        await self.serving.stop(grace_s)
         await self.close()
         return time.monotonic() - started
 
@@ -103,52 +102,37 @@ class RunningProxy:
         if self._closed:
             return
         self._closed = True
-        self.forwarder.refuse_new()
-        self.forwarder.end_active()
-        for runner in self._runners:
-            await runner.cleanup()
-        self.observers.flush()  # the handlers' last finishes, before the tokenizer's check closes
-        if self.check is not None:  # after the handlers: their last records may wait on the tokenizer
-            await self.check.close()
-        if self._observing is not None:
-            await self._observing.close()
-        await self.forwarder.close()
-        if self._session is not None:
-            await self._session.close()
+        await self.serving.close()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+        await self.telemetry.stop()
+        await self.session.close()
 
 
 async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, ...] = (),
                       log_records: bool | None = None) -> RunningProxy:
     """Start both listeners (port 0 picks a free port) and return once they accept connections."""
-    observing = Observing.open(config, extra_observers=extra_observers, log_records=log_records)
-    metrics, chain = observing.metrics, observing.delivery
+    metrics = ProxyMetrics(max_models=config.max_models, max_clients=config.client_metrics)
+    telemetry = Telemetry(config, metrics)
+    serving = ServingProcess.open(config, metrics, telemetry.enricher, extra_observers=extra_observers,
+                                  log_records=log_records)
+    metrics.read_state(in_flight=lambda: serving.concurrency.in_flight,
+                       parse_bytes_used=lambda: serving.parse_bytes.used,
+                       parse_bytes_refusals=lambda: serving.parse_bytes.refused)
     session = upstream_session(config)
-    concurrency = InFlightTracker()
-    budget = ByteBudget(config.parse_budget_bytes)
-    metrics.read_state(in_flight=lambda: concurrency.in_flight, parse_budget_used=lambda: budget.used,
-                       parse_budget_refusals=lambda: budget.refused)
-    check = server_check(config, chain.response_finished, metrics.count_tokenizer, metrics.know_models,
-                         metrics.records_lost.inc)
-    forwarder = proxy_application(config, chain, concurrency, budget, check, metrics.count_refused)
-    readers = AdminReaders()
-    running = RunningProxy(config, "", "", observing.store, metrics, concurrency, chain, forwarder,
-                           _observing=observing, _session=session, _history=observing.history,
-                           tracer=observing.tracer, check=check, readers=readers)
-    admin_app = observing.admin(config, session, ready=lambda: not forwarder.shutting_down, readers=readers,
-                                about=about(config, lambda: running.proxy_url, lambda: running.admin_url,
-                                            lambda: check.facts))
-    options: dict[str, Any] = {"backlog": config.backlog, "header_timeout_s": config.header_timeout_s,
-                               "on_refused": metrics.count_refused, "shutdown_timeout": RUNNER_SHUTDOWN_S}
+    running = RunningProxy(config, serving, metrics, telemetry, session)
+    admin_app = build_admin_app(
+        LocalRecords(serving), metrics.registry,
+        UpstreamReachability(config.upstream, session, config.upstream_authorization), config.admin_token,
+        ready=lambda: not serving.forwarder.shutting_down, allowed_hosts=config.admin_allowed_hosts,
+        readers=running.readers, instance=config.instance,
+        about=about(config, lambda: running.proxy_url, lambda: running.admin_url, lambda: serving.check.facts))
     try:
-        # handler_cancellation: a client that goes away cancels its handler at once, so the
-        # upstream request is cancelled too (the server frees the sequence's KV blocks).
-        runner, running._proxy_site, running.proxy_url = await listen(
-            forwarder.handle, config.listen, handler_cancellation=True, **options)
-        running._runners.append(runner)
-        runner, _, running.admin_url = await listen(admin_app, config.admin_listen, **options)
-        running._runners.append(runner)
-        await observing.telemetry.start()
-        check.start()
+        running.proxy_url = await serving.listen()
+        running._admin_runner, _, running.admin_url = await listen(
+            admin_app, config.admin_listen, backlog=config.backlog, header_timeout_s=config.header_timeout_s,
+            on_refused=metrics.count_refused, shutdown_timeout=RUNNER_SHUTDOWN_S)
+        await telemetry.start()
     except BaseException:
         await running.close()
         raise

@@ -109,9 +109,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=flag_type(parse_seconds), default=20.0, metavar="SECONDS",
                         help="on SIGTERM, how long open streams may still finish before the proxy ends them "
                              "visibly and exits (default %(default)s; keep it under your orchestrator's grace)")
-    parser.add_argument("--parse-budget", type=flag_type(parse_positive_int), default=256 * 1024 * 1024,
-                        metavar="BYTES", help="bytes held at once, over all requests, to read request and JSON "
-                                              "response bodies; beyond it bodies pass unread (default 256 MiB)")
+    parser.add_argument("--parse-bytes", "--parse-budget", dest="parse_bytes", type=flag_type(parse_positive_int),
+                        default=256 * 1024 * 1024, metavar="BYTES",
+                        help="bytes held at once, over all requests, to read request and JSON response bodies; "
+                             "beyond it bodies pass unread (default 256 MiB; --parse-budget is its old name)")
     parser.add_argument("--history", default=env_default("LLM_DIAG_HISTORY"), metavar="PATH|URL|off",
                         help="keep every record across restarts: a SQLite file, or postgresql://USER@HOST/DB for one "
                              "database shared by a fleet of proxies (env LLM_DIAG_HISTORY; default a file per proxy, "
@@ -243,7 +244,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             backlog=args.backlog,
             header_timeout_s=args.header_timeout,
             shutdown_grace_s=args.shutdown_grace,
-            parse_budget_bytes=args.parse_budget,
+            parse_bytes_max=args.parse_bytes,
             workers=getattr(args, "workers", 1),
             otel=getattr(args, "otel", False),
             history_path=history_path(getattr(args, "history", "off"), listen, split_credentials(upstream)[0]),

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.wire.byte_budget import UNLIMITED, ByteBudget
 from proxy.wire.dialects.base import Dialect
 from proxy.wire.events import DONE, NO_EVENTS, Event, ParseError, TokenDelta
 from proxy.wire.fast_tokens import EVENTS, NOT_PLAIN, REASONING, UNSAFE, VISIBLE, PlainTokens
 from proxy.wire.ndjson import NdjsonDecoder
+from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.sse import SseDecoder
 
 _NO_EVENTS = NO_EVENTS
@@ -373,29 +373,29 @@ class NdjsonParser(_StreamParser):
 class JsonBodyParser:
     """A complete (non-streaming) JSON body, read from a bounded copy at the end.
 
-    The copy counts against the body cap and the process-wide budget; past either, the chunks
+    The copy counts against the body cap and the process-wide bytes held for parsing; past either, the chunks
     held so far are dropped at once and the body is reported unread.
     """
 
-    __slots__ = ("_body", "_budget", "_cap", "_held", "_interpret", "_refused", "_size")
+    __slots__ = ("_body", "_cap", "_held", "_interpret", "_parse_bytes", "_refused", "_size")
     streaming = False
 
-    def __init__(self, interpret: Interpret, cap: int, budget: ByteBudget = UNLIMITED,
+    def __init__(self, interpret: Interpret, cap: int, parse_bytes: ParseBytes = UNLIMITED,
                  declared: int | None = None) -> None:
         self._interpret = interpret
         self._cap = cap
-        self._budget = budget
+        self._parse_bytes = parse_bytes
         self._body = bytearray()  # one copy, parsed in place at the end: never a second joined one
         self._size = 0
-        self._held = 0  # bytes reserved from the budget
+        self._held = 0  # bytes reserved from the bytes held for parsing
         self._refused: str | None = None
         if declared is not None:  # a declared length is judged at once, and reserved whole
             if declared > cap:
                 self._refused = "cap"
-            elif budget.reserve(declared):
+            elif parse_bytes.reserve(declared):
                 self._held = declared
             else:
-                self._refused = "budget"
+                self._refused = "parse_bytes"
 
     def feed(self, chunk: bytes) -> list[Event]:
         self._size += len(chunk)
@@ -405,8 +405,8 @@ class JsonBodyParser:
             self._drop("cap")
         elif self._size <= self._held:  # within the reservation made for a declared length
             self._body += chunk
-        elif not self._budget.reserve(self._size - self._held):
-            self._drop("budget")
+        elif not self._parse_bytes.reserve(self._size - self._held):
+            self._drop("parse_bytes")
         else:
             self._held = self._size
             self._body += chunk
@@ -415,7 +415,7 @@ class JsonBodyParser:
     def _drop(self, reason: str) -> None:
         self._refused = reason
         self._body = bytearray()
-        self._budget.release(self._held)
+        self._parse_bytes.release(self._held)
         self._held = 0
 
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
@@ -424,8 +424,8 @@ class JsonBodyParser:
     def close(self) -> list[Event]:
         if self._refused == "cap":
             return [ParseError(f"body of {self._size} bytes exceeds the {self._cap}-byte parse cap")]
-        if self._refused == "budget":
-            return [ParseError("the process-wide parse budget (--parse-budget) was spent: body not read")]
+        if self._refused == "parse_bytes":
+            return [ParseError("the process-wide bytes held for parsing (--parse-bytes) ran out: body not read")]
         if not self._size:
             return [ParseError("empty body")]
         try:
@@ -487,7 +487,7 @@ class DecompressingParser:
 
 
 def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *, max_line: int, body_cap: int,
-               budget: ByteBudget = UNLIMITED, content_length: int | None = None,
+               parse_bytes: ParseBytes = UNLIMITED, content_length: int | None = None,
                fast_path: bool = True) -> ResponseParser:
     """The parser for one response in `dialect`, its framing chosen by what the server declared
     (`fast_path=False`: every event decoded, as the differential tests compare)."""
@@ -502,7 +502,7 @@ def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *, ma
         parser = NdjsonParser(interpret, max_line, plain)
     elif media == "application/json" or media.endswith("+json"):
         identity = content_encoding.strip().lower() in ("", "identity")
-        parser = JsonBodyParser(interpret, body_cap, budget, content_length if identity else None)
+        parser = JsonBodyParser(interpret, body_cap, parse_bytes, content_length if identity else None)
     else:
         parser = UnknownParser(f"unrecognised content type {media or '(none)'!r}")
     encoding = content_encoding.strip().lower()

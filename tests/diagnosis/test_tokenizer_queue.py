@@ -12,8 +12,9 @@ import time
 
 from proxy.diagnosis.prompt_rules import PromptCount
 from proxy.diagnosis.recorder import TokenizerQuery
-from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits, TokenizerQueue, TokenizerUnavailable, shared_gate
+from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits, TokenizerQueue, TokenizerUnavailable
 from proxy.record import ResponseRecord
+from proxy.serve.shared import SharedState
 from proxy.wire.server_facts import ServerFacts, ServerInfo
 
 FACTS = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
@@ -108,7 +109,7 @@ async def test_after_failures_in_a_row_records_go_on_at_once_until_a_probe_succe
 async def test_the_calls_are_bounded_for_the_whole_proxy_across_workers() -> None:
     """Two workers' queues on one shared gate: 2 calls at once and 10 a second in all (each worker's
     share of 1 rounded up let 3 run at once with --workers 3)."""
-    state = shared_gate(multiprocessing.get_context("spawn"))
+    state = SharedState.allocate(multiprocessing.get_context("spawn")).gate
     tokenizers = [Tokenizer(delay=0.05), Tokenizer(delay=0.05), Tokenizer(delay=0.05)]
     delivered: list[ResponseRecord] = []
     running = [0]

@@ -254,7 +254,7 @@ async def test_an_answer_that_ended_is_in_what_the_admin_listener_answers_at_onc
     for request_id in ("batch-0", "batch-1"):
         async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": request_id}) as r:
             await r.read()
-    assert proxy.observers._waiting  # the batch's wait has not passed: the request below flushes it
+    assert proxy.delivery._waiting  # the batch's wait has not passed: the request below flushes it
     async with client.get(proxy.admin_url + "/api/requests/batch-1") as response:
         assert response.status == 200 and orjson.loads(await response.read())["stop_reason"] == "eos"
     async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": "batch-2"}) as r:
@@ -271,7 +271,7 @@ async def test_records_waiting_for_their_batch_are_written_when_the_proxy_stops(
     proxy = await make_proxy(upstream.url, history_path=str(tmp_path / "history.sqlite3"))
     async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT, headers={"X-Request-Id": "last"}) as r:
         await r.read()
-    assert proxy.observers._waiting
+    assert proxy.delivery._waiting
     await proxy.shutdown(1.0)
     with sqlite3.connect(tmp_path / "history.sqlite3") as db:
         assert db.execute("SELECT request_id FROM records").fetchall() == [("last",)]
@@ -295,7 +295,7 @@ async def test_a_streamed_answer_is_finished_with_the_batch_into_the_record_it_m
             async with client.post(proxy.proxy_url + CHAT_URL, json=body,
                                    headers={"X-Request-Id": f"{name}-{kind}"}) as response:
                 await response.read()
-            waiting = list(proxy.observers._waiting)
+            waiting = list(proxy.delivery._waiting)
             deferred = any(not isinstance(item, ResponseRecord) for item in waiting)
             assert deferred == (name == "batch" and kind == "small"), (name, kind)
             record = (await record_for(proxy, f"{name}-{kind}")).to_dict()

@@ -27,7 +27,7 @@ async def wait_records(proxy: RunningProxy, n: int) -> None:
         if len(proxy.store) >= n:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"expected {n} records, have {len(proxy.observers.record_store)}")
+    raise AssertionError(f"expected {n} records, have {len(proxy.store)}")
 
 
 async def test_streamed_sse_bytes_pass_through_unchanged(upstream: ScriptedUpstream, proxy: RunningProxy,

@@ -221,7 +221,7 @@ async def test_shutdown_lets_streams_that_end_within_the_grace_end_on_their_own(
 
 async def test_bodies_past_the_process_wide_parse_budget_pass_unread(
         upstream: ScriptedUpstream, make_proxy: ProxyFactory, client: aiohttp.ClientSession) -> None:
-    proxy = await make_proxy(upstream.url, parse_budget_bytes=300_000)
+    proxy = await make_proxy(upstream.url, parse_bytes_max=300_000)
     big = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "x" * 200_000}]})
     for _i in range(3):
         upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS, first_delay=0.3))
@@ -232,10 +232,10 @@ async def test_bodies_past_the_process_wide_parse_budget_pass_unread(
         await response.read()
     records = [await record_for(proxy, f"big-{i}") for i in range(3)]
     unread = [r for r in records if r.request_note is not None]
-    assert unread and all("parse budget" in (r.request_note or "") for r in unread)
+    assert unread and all("bytes held for parsing" in (r.request_note or "") for r in unread)
     assert all(r.model is None for r in unread) and any(r.model == "m" for r in records)
     assert sorted(len(seen.body) for seen in upstream.seen) == [len(big)] * 3  # every body went on whole
-    assert proxy.forwarder.budget.used == 0  # everything held was given back
+    assert proxy.forwarder.parse_bytes.used == 0  # everything held was given back
 
 
 async def test_big_bodies_of_declared_length_are_read_first_come_first_served(
@@ -243,7 +243,7 @@ async def test_big_bodies_of_declared_length_are_read_first_come_first_served(
     """Five bodies at once, room for two: two are read, three pass unread. Taken piece by piece,
     all five would each hold part of the budget and all five fail."""
     body_size = 400_000
-    proxy = await make_proxy(upstream.url, parse_budget_bytes=2 * body_size + 1000)
+    proxy = await make_proxy(upstream.url, parse_bytes_max=2 * body_size + 1000)
     big = orjson.dumps({"model": "m", "stream": False, "messages": [{"role": "user", "content": "x" * body_size}]})
     for _i in range(5):
         upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS, first_delay=0.3))
@@ -253,8 +253,8 @@ async def test_big_bodies_of_declared_length_are_read_first_come_first_served(
         await response.read()
     records = [await record_for(proxy, f"fc-{i}") for i in range(5)]
     assert sum(r.model == "m" for r in records) == 2
-    assert sum("parse budget" in (r.request_note or "") for r in records) == 3
-    assert proxy.forwarder.budget.used == 0
+    assert sum("bytes held for parsing" in (r.request_note or "") for r in records) == 3
+    assert proxy.forwarder.parse_bytes.used == 0
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
@@ -289,7 +289,7 @@ async def test_a_big_body_goes_upstream_identical_and_framed_as_the_client_frame
         else:
             assert seen.headers.get("Content-Length") == str(len(body))
             assert "Transfer-Encoding" not in seen.headers
-    assert proxy.forwarder.budget.used == 0
+    assert proxy.forwarder.parse_bytes.used == 0
 
 
 async def test_a_json_answer_declared_over_the_cap_is_never_held(
@@ -302,7 +302,7 @@ async def test_a_json_answer_declared_over_the_cap_is_never_held(
 
     async def watch() -> None:
         while True:
-            seen_used.append(proxy.forwarder.budget.used)
+            seen_used.append(proxy.forwarder.parse_bytes.used)
             await asyncio.sleep(0.02)
 
     watcher = asyncio.create_task(watch())

@@ -79,7 +79,7 @@ def test_cli_defaults_bind_loopback_only(monkeypatch: pytest.MonkeyPatch) -> Non
 async def test_started_proxy_listens_on_loopback_sockets_only(make_proxy: ProxyFactory,
                                                               upstream: ScriptedUpstream) -> None:
     proxy = await make_proxy(upstream.url)
-    for runner in proxy._runners:
+    for runner in proxy.runners:
         for address in runner.addresses:
             assert address[0] == "127.0.0.1", address
 
@@ -160,7 +160,7 @@ async def test_record_and_log_observer_hold_no_secrets_in_process(secret_upstrea
     configure_logging("debug", "json", stream=stream)
     try:
         proxy = await make_proxy(secret_upstream.url)
-        proxy.observers.add(LogObserver(secret_upstream.url))
+        proxy.delivery.add(LogObserver(secret_upstream.url))
         async with aiohttp.ClientSession() as session, session.post(
                 f"{proxy.proxy_url}/v1/chat/completions?key={QUERY_SECRET}", json=secret_request(),
                 headers={**SECRETS, "X-Request-Id": "secret-2"}) as response:

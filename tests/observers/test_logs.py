@@ -45,7 +45,7 @@ def test_the_response_line_is_key_for_key_what_structlog_writes(stdout: _Stdout,
     logs.configure_logging("info", "json", stream=stdout)
     observer, record = logs.LogObserver("http://upstream:8000"), _record()
     observer.on_response(record)
-    logs._json_sink = None  # the same observer through structlog's chain
+    observer.sink = None  # the same observer through structlog's chain
     observer.on_response(record)
     direct, chained = (orjson.loads(line) for line in stdout.buffer.getvalue().splitlines())
     assert list(direct) == list(chained) and direct["timestamp"].endswith("Z")
@@ -139,16 +139,18 @@ def test_the_log_line_and_the_history_row_share_one_compact_dict_per_delivery(
     from proxy.diagnosis.delivery import Delivery
     from proxy.observers.history import History
     from proxy.observers.history.backend import row_of
-    from proxy.record import compact_once
+    from proxy.record import CompactOnce
 
     logs.configure_logging("info", "json", stream=stdout)
-    history = History(str(tmp_path / "h.sqlite3"), max_age_s=0, max_bytes=0)
+    compact_once = CompactOnce()  # the delivery's, passed to the observers that use it
+    history = History(str(tmp_path / "h.sqlite3"), max_age_s=0, max_bytes=0, compact=compact_once)
     history._thread = object()  # type: ignore[assignment]  # a writer is running (the buffer is looked at here)
     record = _record()
     made: list[ResponseRecord] = []
     to_compact = ResponseRecord.to_compact_dict
     monkeypatch.setattr(ResponseRecord, "to_compact_dict", lambda self: (made.append(self), to_compact(self))[1])
-    Delivery([logs.LogObserver("http://upstream:8000"), history]).response_finished(record)
+    Delivery([logs.LogObserver("http://upstream:8000", compact_once), history],
+             compact=compact_once).response_finished(record)
     assert made == [record]
     ((taken, body),) = history._pending
     assert taken is record and body == to_compact(record) and row_of(record, body) == row_of(record)

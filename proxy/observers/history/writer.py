@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -32,7 +32,7 @@ from proxy.observers.history.backend import Backend, HistoryError, Rejected, Una
 from proxy.observers.history.source import HistorySource
 from proxy.observers.hooks import Observer
 from proxy.observers.record_store import Page, RecordQuery
-from proxy.record import ResponseRecord, compact_once
+from proxy.record import CompactOnce, ResponseRecord
 
 _log = structlog.get_logger("llm_diag_proxy")
 BUFFER = 50_000  # records waiting for the writer; past it they are counted as dropped
@@ -48,10 +48,19 @@ class History(Observer):
     """The writer (an observer) and the reader of one history database."""
 
     def __init__(self, target: str, *, max_age_s: float, max_bytes: int, metrics: Any = None,
-                 page_limit: int | None = None, password: str | None = None, buffer: int = BUFFER) -> None:
+                 page_limit: int | None = None, password: str | None = None, buffer: int = BUFFER,
+                 retains: bool = True, compact: CompactOnce | None = None,
+                 on_handed: Callable[[], None] = lambda: None, on_kept: Callable[[int], None] = lambda n: None,
+                 ) -> None:
+        """`retains`: this writer applies the retention (one of the writers that share a database);
+        `compact`: the delivery's one compact dict per record; `on_handed`, `on_kept`: a record went
+        into the buffer (the event loop's thread), records left it written or dropped (the writer's)."""
         self.source = HistorySource(target, password)
         self.backend: Backend = self.source.backend(page_limit=page_limit)
         self.retention_every_s = self.source.retention_every_s
+        self.retains = retains
+        self._compact = compact if compact is not None else CompactOnce()
+        self._on_handed, self._on_kept = on_handed, on_kept
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes
         self.buffer = buffer
@@ -123,8 +132,9 @@ class History(Observer):
         if len(pending) >= self.buffer:
             self._dropped(1)
             return
-        pending.append((record, compact_once.compact(record)))  # (made once for the log line too)
+        pending.append((record, self._compact.compact(record)))  # (made once for the log line too)
         self._handed += 1
+        self._on_handed()
         if len(pending) == BATCH_MAX:
             self._wake.set()
 
@@ -222,10 +232,11 @@ class History(Observer):
         with self._progress:
             self._settled += written + dropped
             self._progress.notify_all()
+        self._on_kept(written + dropped)
 
     def _retain(self) -> None:
         now = time.monotonic()
-        if now - self._retained_at < self.retention_every_s:
+        if not self.retains or now - self._retained_at < self.retention_every_s:
             return
         self._retained_at = now
         self.backend.retain(self.max_age_s, self.max_bytes)

@@ -19,7 +19,7 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type hints
 import structlog
 
-from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.metrics import ProcessMetrics
 from proxy.observers.telemetry.samples import SampleRing
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
@@ -174,7 +174,7 @@ class NvmlReader:
 class GpuSeries:
     """Sets the GPU gauges from a snapshot and removes the series of GPUs and processes gone."""
 
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: ProcessMetrics) -> None:
         self.m = metrics
         self._gpus: set[tuple[str, str, str]] = set()
         self._utilization: set[tuple[str, str, str]] = set()
@@ -226,7 +226,7 @@ class GpuPoller:
     than the normal pace) and tries again, re-initializing NVML if the whole read failed.
     """
 
-    def __init__(self, interval_s: float, metrics: ProxyMetrics, ring: SampleRing[GpuSnapshot],
+    def __init__(self, interval_s: float, metrics: ProcessMetrics, ring: SampleRing[GpuSnapshot],
                  reader: NvmlReader | None = None, retry_s: float | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.interval_s = interval_s

@@ -88,12 +88,15 @@ class SampleRing(Generic[T]):
     newest one (the wall clock stepped back) is raised to it, so the ring stays sorted.
     """
 
-    __slots__ = ("_items", "_times", "capacity")
+    __slots__ = ("_items", "_times", "capacity", "on_append")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_append: Callable[[float, T], None] | None = None) -> None:
+        """`on_append(t, item)`: told of each sample as it is kept (the supervisor of N workers
+        passes each on to them)."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
+        self.on_append = on_append
         self._times: list[float] = []
         self._items: list[T] = []
 
@@ -105,6 +108,8 @@ class SampleRing(Generic[T]):
             t = self._times[-1]
         self._times.append(t)
         self._items.append(item)
+        if self.on_append is not None:
+            self.on_append(t, item)
         if len(self._times) >= 2 * self.capacity:
             excess = len(self._times) - self.capacity
             del self._times[:excess]
@@ -133,6 +138,11 @@ class SampleRing(Generic[T]):
 
     def stamp(self, index: int) -> float:
         return self._times[index]
+
+    def newest(self, count: int) -> list[tuple[float, T]]:
+        """The newest `count` (stamp, sample) pairs, oldest first."""
+        first = max(self._trim_view(), len(self._times) - count)
+        return list(zip(self._times[first:], self._items[first:], strict=True))
 
     def latest(self) -> tuple[float, T] | None:
         if not self._times:

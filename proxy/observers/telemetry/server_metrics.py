@@ -20,7 +20,7 @@ import orjson
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.observers.metrics import ProxyMetrics
+from proxy.observers.metrics import ProcessMetrics
 from proxy.observers.telemetry.samples import SampleRing
 from proxy.servers.answers import AnswerTooLarge, read_whole
 from proxy.wire.server_facts import is_llamacpp_router, router_loaded_models
@@ -204,7 +204,7 @@ def parse_ollama_ps(body: bytes) -> UpstreamState:
 class UpstreamSeries:
     """Re-exports the newest state; a figure the upstream does not report is absent, not 0 or NaN."""
 
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: ProcessMetrics) -> None:
         self.m = metrics
         self._models: set[str] = set()
         self._up_source: str | None = None
@@ -270,7 +270,7 @@ class UpstreamPoller:
     """
 
     def __init__(self, upstream: str, mode: Literal["auto", "vllm", "ollama"], interval_s: float,
-                 metrics: ProxyMetrics, ring: SampleRing[UpstreamState], session: aiohttp.ClientSession,
+                 metrics: ProcessMetrics, ring: SampleRing[UpstreamState], session: aiohttp.ClientSession,
                  redetect_s: float = 30.0, redetect_after: int = 10,
                  clock: Callable[[], float] = time.time) -> None:
         self.upstream = upstream.rstrip("/")

@@ -53,7 +53,7 @@ def listen_overflows() -> int | None:
 
 
 def accepted(proxy: RunningProxy) -> int:
-    server = proxy._runners[0].server
+    server = proxy.runners[0].server
     assert server is not None
     return len(server.connections)
 

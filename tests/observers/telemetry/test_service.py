@@ -44,7 +44,7 @@ async def test_records_are_attributed_to_the_gpu_running_the_upstream_process(
     telemetry = Telemetry(config, ProxyMetrics())
     await telemetry.start()
     try:
-        await eventually(lambda: os.getpid() in telemetry._upstream_pids, "upstream pid never found")
+        await eventually(lambda: os.getpid() in telemetry.rings.pids, "upstream pid never found")
         assert telemetry.gpu_ring is not None and telemetry.upstream_ring is not None
         await eventually(lambda: len(telemetry.gpu_ring) >= 3 and len(telemetry.upstream_ring) >= 3,  # type: ignore[arg-type]
                          "no samples")

@@ -1,8 +1,9 @@
-"""A process-wide budget of bytes held in memory to read bodies, so many large bodies at once stay bounded.
+"""The bytes held in memory to read bodies, bounded process-wide, so many large bodies at once stay bounded.
 
 The proxy holds a request body whole to read what it asks for (and to send it on), and a JSON
 response body to read it at its end. Each of those is capped on its own; this caps their sum over
-all exchanges. A body that would go past it is still forwarded, unread, and its record says so.
+all exchanges (`--parse-bytes`). A body that would go past it is still forwarded, unread, and its
+record says so.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import contextlib
 from array import array
 from typing import Any
 
-from proxy.processes import OWNERS, ProcessLock
+from proxy.processes import OWNERS
 
 
-class ByteBudget:
+class ParseBytes:
     """`reserve(n)` takes n bytes if they fit (True) or takes nothing (False); `release(n)` gives back.
 
-    With `shared` (from `shared_budget`: per-process shares of the bytes held, a refusal count and a
-    lock the kernel drops when its holder dies), worker processes draw on one budget: the bound is
-    the proxy's, not each worker's, and a dead worker's share can be given back (`forget`).
+    With `shared` (per-process shares of the bytes held, a refusal count and a lock the kernel drops
+    when its holder dies: `proxy.serve.shared`), worker processes draw on one bound: the proxy's, not
+    each worker's, and a dead worker's share can be given back (`forget`).
     """
 
     __slots__ = ("_lock", "_owner", "_refused", "_shares", "capacity")
@@ -65,9 +66,4 @@ class ByteBudget:
         return held
 
 
-def shared_budget(context: Any) -> tuple[Any, Any, Any]:
-    """The shared state of a ByteBudget for worker processes: per-process shares, the refusals, a lock."""
-    return context.RawArray("q", OWNERS), context.RawArray("q", 1), ProcessLock()
-
-
-UNLIMITED = ByteBudget(1 << 62)
+UNLIMITED = ParseBytes(1 << 62)
