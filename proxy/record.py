@@ -117,12 +117,13 @@ class RequestInfo:
     ignored: list[str] = field(default_factory=list)  # values out of range, left out (`name=value`)
 
 
-# What the GPU and the server were doing while a response ran: an enricher's facts by the name of
-# the record field each fills (written by the diagnosis; a fact left out or None leaves it as is).
-ServerFact = Literal["gpu", "vram_free_min_bytes", "vram_used_max_bytes", "upstream_running_max",
+# What the GPU and the server were doing while a response ran (`during` it): what an enricher knows,
+# by the name of the record field each fills (written by the diagnosis; one left out or None leaves
+# the field as it is).
+DuringField = Literal["gpu", "vram_free_min_bytes", "vram_used_max_bytes", "upstream_running_max",
                      "upstream_waiting_max", "kv_cache_usage_max", "preemptions_during", "preemptions_scope"]
-SERVER_FACTS: tuple[str, ...] = ServerFact.__args__  # type: ignore[attr-defined]
-ServerDuring = dict[ServerFact, "str | int | float | None"]
+DURING_FIELDS: tuple[str, ...] = DuringField.__args__  # type: ignore[attr-defined]
+ServerDuring = dict[DuringField, "str | int | float | None"]
 
 
 @dataclass(slots=True)
@@ -296,7 +297,7 @@ def utf8_text(text: str) -> str:
 
 class CompactOnce:
     """A finished record's compact dict, made once for all the observers of its delivery (the log
-    line and the history's row both need it): `delivering(record)` while the chain runs, `compact`
+    line and the history's row both need it): `delivering(record)` while the delivery runs, `compact`
     from any observer. Outside a delivery it is made each time. One per delivery, passed to the
     observers that use it (never a module's global); only the event loop's thread uses it."""
 
@@ -307,7 +308,7 @@ class CompactOnce:
         self._compact: dict[str, Any] | None = None
 
     def delivering(self, record: ResponseRecord | None) -> None:
-        """The record the chain is delivering now (None: the delivery ended)."""
+        """The record being delivered now (None: the delivery ended)."""
         self._record, self._compact = record, None
 
     def compact(self, record: ResponseRecord) -> dict[str, Any]:

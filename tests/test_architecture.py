@@ -165,3 +165,131 @@ def test_only_the_diagnosis_writes_a_record() -> None:
 def test_the_writes_check_would_see_a_write() -> None:
     writes = [w for name, path in modules() if layer(name) == "diagnosis" for w in _record_writes(path)]
     assert any("recorder.py" in w for w in writes) and any("delivery.py" in w for w in writes)
+
+
+# --- each server in one module ----------------------------------------------------------------------
+SERVER_KINDS = frozenset({"vllm", "llamacpp", "ollama", "sglang"})
+ABOUT_A_SERVER = ("kind", "source", "owner", "server", "facts", "identity", "mode")
+
+
+def _kinds_named(node: ast.expr) -> set[str]:
+    """The server kinds a literal names: a string, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & SERVER_KINDS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in SERVER_KINDS}
+    return set()
+
+
+def server_branches(path: Path) -> Iterator[str]:
+    """Comparisons of something about a server (its kind, source, owner...) with a server kind's name,
+    and tables keyed by server kinds: what belongs in that server's module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = set().union(*(_kinds_named(side) for side in sides))
+            other = " ".join(ast.unparse(side) for side in sides if not _kinds_named(side)).lower()
+            if named and any(word in other for word in ABOUT_A_SERVER):
+                yield f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in SERVER_KINDS}
+            if len(keys) >= 2:
+                yield f"{path.relative_to(ROOT)}:{node.lineno}: a table keyed by server kinds {sorted(keys)}"
+
+
+def test_no_module_outside_servers_branches_on_a_server_kind() -> None:
+    wrong = [branch for name, path in modules() if layer(name) not in ("servers", "simulator")
+             for branch in server_branches(path)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_branch_check_would_see_a_branch(tmp_path: Path) -> None:
+    probe = tmp_path / "module.py"
+    probe.write_text('if facts.kind == "vllm":\n    pass\nx = kind in ("ollama", "sglang")\n'
+                     'T = {"vllm": 1, "llamacpp": 2}\nok = record.dialect == "ollama"\n')
+    found = list(server_branches_of(probe))
+    assert len(found) == 3 and not any("dialect" in line for line in found)
+
+
+def server_branches_of(path: Path) -> Iterator[str]:
+    global ROOT
+    saved, ROOT = ROOT, path.parent
+    try:
+        yield from server_branches(path)
+    finally:
+        ROOT = saved
+
+
+def test_every_server_module_says_what_it_is() -> None:
+    from proxy.servers import SERVERS
+
+    assert {server.kind for server in SERVERS} == SERVER_KINDS
+    for server in SERVERS:
+        module = sys.modules[type(server).__module__]
+        assert module.__file__ is not None and Path(module.__file__).stem == server.kind
+        doc = module.__doc__ or ""
+        assert server.name in doc and ("/" in doc or ".py" in doc), f"{server.kind}: no source links in its docstring"
+
+
+# --- names that mean one thing ------------------------------------------------------------------------
+# A name retired because it meant two or three things, and what says it now.
+RETIRED = {
+    "ByteBudget": "ParseBytes (bytes held for parsing; a budget is tokens)", "byte_budget": "parse_bytes",
+    "parse_budget": "parse_bytes", "parse_budget_bytes": "parse_bytes_max",
+    "ServerFacts": "ServerIdentity", "SERVER_FACTS": "DURING_FIELDS", "ServerFact": "DuringField",
+    "facts_for": "during", "ServerFactsProbe": "IdentityPoller", "UpstreamProbe": "UpstreamReachability",
+    "probe": "a name for what it asks (identity, reachable, trial)", "WorkerPool": "WorkerSupervisor",
+    "chain": "delivery", "compact_once": "the CompactOnce a delivery passes to its observers",
+    "_json_sink": "logs.json_sink()", "CLIENT_GONE": "Stop.CLIENT_LEFT", "client_gone": "client_has_left",
+    "body_stopped": "body_ended",
+}
+
+
+def identifiers(path: Path) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.alias):
+            yield getattr(node, "lineno", 0), node.asname or node.name.rpartition(".")[2]
+
+
+def test_retired_names_are_gone() -> None:
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {name} (now: {RETIRED[name]})"
+             for _, path in modules() for line, name in identifiers(path) if name in RETIRED]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_budget_is_tokens_and_bytes_held_are_not_a_budget() -> None:
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {name}" for _, path in modules() for line, name in identifiers(path)
+             if "budget" in name.lower() and any(word in name.lower() for word in ("byte", "parse", "held"))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_delivery_is_called_delivery_everywhere() -> None:
+    """A parameter or attribute that holds the Delivery is named for it, never `observers` or `chain`."""
+    wrong = []
+    for _, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.annotation is not None and ast.unparse(node.annotation) == "Delivery":
+                if node.arg.lstrip("_") != "delivery":
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.arg}: Delivery")
+            elif isinstance(node, ast.AnnAssign) and ast.unparse(node.annotation) == "Delivery":
+                name = ast.unparse(node.target).rpartition(".")[2]
+                if name.lstrip("_") != "delivery":
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}: Delivery")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_shared_constants_cannot_be_changed_by_their_users() -> None:
+    """The events every parse shares are tuples: one `append` to a shared list would corrupt every
+    later parse."""
+    from proxy.wire import events, fast_tokens
+
+    assert isinstance(events.NO_EVENTS, tuple)
+    assert all(isinstance(value, tuple) for value in fast_tokens.EVENTS.values())

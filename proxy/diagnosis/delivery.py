@@ -1,6 +1,6 @@
-"""A finished record's way out: the enrichers' facts written in, then each observer called, in
-the order of the chain. The diagnosis is the record's one writer, so the facts and the notes of
-observers that failed are written here. An observer or enricher that raises never disturbs the
+"""A finished record's way out: what the enrichers know of its time written in, then each observer
+called, in order. The diagnosis is the record's one writer, so the enrichers' fields and the notes
+of observers that failed are written here. An observer or enricher that raises never disturbs the
 traffic, nor the observers after it: its failure becomes a note in `observer_errors`.
 
 A live proxy hands its finished records to the observers in batches (`batch_s`): at one event per
@@ -31,7 +31,7 @@ import structlog
 
 from proxy.diagnosis.writable import make_writable
 from proxy.observers.hooks import Enricher, Observer, watches_starts
-from proxy.record import SERVER_FACTS, CompactOnce, ResponseRecord, ServerDuring
+from proxy.record import DURING_FIELDS, CompactOnce, ResponseRecord, ServerDuring
 
 _log = structlog.get_logger("llm_diag_proxy.observers")
 MAX_NOTED_ERRORS = 8
@@ -40,7 +40,7 @@ SLICE_S = 0.0005  # a batch is delivered in slices of this long, the loop's othe
 
 
 class Delivery:
-    """Hands records to a chain: enrichers, then observers, each in its order."""
+    """Hands records on: to the enrichers, then to the observers, each in its order."""
 
     __slots__ = ("_batch_s", "_enrichers", "_finishes", "_finishing", "_lost", "_starts", "_timer", "_waiting",
                  "compact")
@@ -53,17 +53,17 @@ class Delivery:
         `compact`: the one compact dict per delivered record, which the observers made with it share."""
         self._lost = LostRecords(on_lost)
         self.compact = compact if compact is not None else CompactOnce()
-        chain = list(observers)
+        observers = list(observers)
         self._enrichers = [(type(e).__name__, e) for e in enrichers]
-        self._starts = [(type(o).__name__, o) for o in chain if watches_starts(o)]
-        self._finishes = [(type(o).__name__, o) for o in chain]
+        self._starts = [(type(o).__name__, o) for o in observers if watches_starts(o)]
+        self._finishes = [(type(o).__name__, o) for o in observers]
         self._batch_s = batch_s
         self._waiting: deque[ResponseRecord | Callable[[], None]] = deque()  # records, and work making them
         self._timer: asyncio.Handle | None = None
         self._finishing = False  # a waiting finish runs: its record goes to the observers at once
 
     def add(self, observer: Observer) -> None:
-        """One more observer, last in the chain."""
+        """One more observer, after the others."""
         name = type(observer).__name__
         if watches_starts(observer):
             self._starts.append((name, observer))
@@ -79,12 +79,12 @@ class Delivery:
     def response_finished(self, record: ResponseRecord) -> None:
         for name, enricher in self._enrichers:
             try:
-                facts = enricher.facts_for(record)
+                during = enricher.during(record)
             except Exception as exc:
                 note_failure(record, name, exc)
                 continue
-            if facts:
-                write_facts(record, facts)
+            if during:
+                write_during(record, during)
         make_writable(record)  # a client's lone surrogate must not break the JSON, labels and rows below
         if self._batch_s and not self._finishing:
             self._wait(record)
@@ -166,10 +166,11 @@ class Delivery:
             self._lost.failed(exc)
 
 
-def write_facts(record: ResponseRecord, facts: ServerDuring) -> None:
-    """An enricher's facts into the record's fields of the same names (None leaves a field as it is)."""
-    for name, value in facts.items():
-        if value is not None and name in SERVER_FACTS:
+def write_during(record: ResponseRecord, during: ServerDuring) -> None:
+    """What an enricher knows of the response's time into the record's fields of the same names
+    (None leaves a field as it is)."""
+    for name, value in during.items():
+        if value is not None and name in DURING_FIELDS:
             setattr(record, name, value)
 
 

@@ -31,27 +31,14 @@ from proxy.record import (
     UpstreamErrorKind,
     utf8_text,
 )
+from proxy.servers.base import UNKNOWN_SERVER, ServerIdentity, TokenizerQuery
 from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
 from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.parsers import load_json, parser_for
-from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
 
 DeadlineHit = Literal["total", "idle"]
 QUEUE_TIME_RESOLUTION = 9  # decimals: ns, as servers report durations; below is float noise
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerQuery:
-    """A finished record's request, for the server's tokenizer to count its prompt: the request body
-    as the client sent it (the prompt's text never leaves the proxy's memory but to that server)."""
-
-    dialect: str
-    route: str
-    model: str | None
-    body: bytes
-    requested_max_tokens: int
-    truncate_prompt_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +79,7 @@ class Recorder:
     """One exchange: request, response head, chunks and its end in, one `ResponseRecord` out."""
 
     __slots__ = (
-        "_client_gone",
+        "_client_left",
         "_connect_error",
         "_deadline_observed",
         "_dialect",
@@ -121,7 +108,7 @@ class Recorder:
         self._connect_error: UpstreamErrorKind | None = None
         self._error_detail: str | None = None
         self._reset = False
-        self._client_gone = False
+        self._client_left = False
         self._enforced: DeadlineKind = "none"
         self._deadline_observed: DeadlineKind = "none"
         self._shutdown = False
@@ -194,13 +181,12 @@ class Recorder:
         from `response_head` on)."""
         return self.tally.feed
 
-    def body_ended(self, now: float) -> None:
-        """No more body bytes: the end, a break or a cut (idempotent); what the tally holds is
-        parsed now."""
-        self.body_stopped(now)
+    def parse_rest(self, now: float) -> None:
+        """No more body bytes (`body_ended`), and what the tally still holds parsed now."""
+        self.body_ended(now)
         self.tally.close(self._ended_at)  # type: ignore[arg-type]
 
-    def body_stopped(self, now: float) -> None:
+    def body_ended(self, now: float) -> None:
         """No more body bytes from `now` on (idempotent); what the tally still holds is parsed by
         `finish` (the relay's way: its finish runs with a batch, see `proxy.diagnosis.delivery`)."""
         if self._ended_at is None:
@@ -226,7 +212,7 @@ class Recorder:
         self._error_detail = detail
 
     def client_left(self, detail: str | None = None) -> None:
-        self._client_gone = True
+        self._client_left = True
         if detail is not None and self._error_detail is None:
             self._error_detail = detail
 
@@ -271,19 +257,19 @@ class Recorder:
         record.concurrency_at_start, record.concurrency_peak, record.concurrency_mean = at_start, peak, mean
 
     @property
-    def client_gone(self) -> bool:
-        return self._client_gone
+    def client_has_left(self) -> bool:
+        return self._client_left
 
     @property
     def ended_at(self) -> float | None:
         return self._ended_at
 
     # --- the record -----------------------------------------------------------------------
-    def finish(self, now: float | None = None, server: ServerFacts = UNKNOWN_SERVER) -> ResponseRecord:
+    def finish(self, now: float | None = None, server: ServerIdentity = UNKNOWN_SERVER) -> ResponseRecord:
         """Classify and fill the record; call once, after the exchange has ended. `server` is what the
         upstream says of itself (which server, its context), for the prompt's fate."""
         clock = time.monotonic() if now is None else now
-        self.body_ended(clock)
+        self.parse_rest(clock)
         record, tally, info = self.record, self.tally, self._info
         assert self._ended_at is not None
         record.duration_s = self._ended_at - self._started
@@ -300,7 +286,7 @@ class Recorder:
         record.parse_error_detail = tally.parse_error
         diagnosis = classify(WireFacts(
             inference=self.inference, status=record.status, connect_error=self._connect_error,
-            error_detail=self._error_detail, upstream_reset=self._reset, client_disconnected=self._client_gone,
+            error_detail=self._error_detail, upstream_reset=self._reset, client_disconnected=self._client_left,
             enforced=self._enforced, proxy_shutdown=self._shutdown, finish=tally.finish, error=tally.error,
             done=tally.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
@@ -328,7 +314,7 @@ class Recorder:
             record.length_cause_detail = f"not decided: the request was not read ({info.body_note or 'no body'})"
         elif record.length_cause == "server_limit" and record.length_cause_detail is None:
             record.length_cause_detail = server_limit_detail(record)
-        if self._client_gone:
+        if self._client_left:
             record.client_disconnected = True
             record.disconnect_phase = "before_first_token" if tally.first_token_at is None else "mid_stream"
         hit = self._enforced if self._enforced != "none" else self._deadline_observed
@@ -338,7 +324,7 @@ class Recorder:
         make_writable(record)  # whatever the wire held, the record can be written everywhere it goes
         return record
 
-    def _fill_prompt(self, server: ServerFacts) -> None:
+    def _fill_prompt(self, server: ServerIdentity) -> None:
         """The prompt's fate, by the server's own numbers and rules (see proxy.diagnosis.prompt_rules)."""
         record, info = self.record, self._info
         if not self.inference or not info.body_parsed:

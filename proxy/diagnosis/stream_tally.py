@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 from proxy.record import MAX_IGNORED
 from proxy.wire.events import Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
@@ -131,7 +132,7 @@ class StreamTally:
         self.parse_errors += 1
         self.parse_error = f"parser failed: {type(exc).__name__}: {exc}"[:300]
 
-    def _apply(self, events: list[Event], now: float) -> None:
+    def _apply(self, events: Sequence[Event], now: float) -> None:
         tokens_before = self.tokens
         for event in events:
             if isinstance(event, TokenDelta):

@@ -12,7 +12,7 @@ a record long:
 - a record waits at most `max_wait_s` from the moment it is queued, its call included: a record
   past it goes on undecided (`timeout`), whatever the server does;
 - a breaker: after `breaker_failures` calls in a row that failed or timed out, records go on at
-  once, undecided (`breaker_open`), and every `breaker_retry_s` one is let through as a probe;
+  once, undecided (`breaker_open`), and every `breaker_retry_s` one is let through as a trial;
   the first call that succeeds closes it. One log line when it opens, one when it closes.
 """
 
@@ -30,11 +30,10 @@ from typing import Any, Protocol
 import structlog
 
 from proxy.diagnosis.delivery import LostRecords
-from proxy.diagnosis.prompt_rules import PromptCount
-from proxy.diagnosis.recorder import Recorder, TokenizerQuery
+from proxy.diagnosis.recorder import Recorder
 from proxy.processes import OWNERS
 from proxy.record import ResponseRecord
-from proxy.wire.server_facts import ServerFacts
+from proxy.servers.base import PromptCount, ServerIdentity, TokenizerQuery, TokenizerUnavailable
 
 _log = structlog.get_logger("llm_diag_proxy.server")
 
@@ -50,18 +49,10 @@ REAP_EVERY_S = 0.25
 _ALLOWANCE, _REFILLED = range(2)
 
 
-class TokenizerUnavailable(Exception):
-    """The server's tokenizer could not count the prompt; the message says why, in a few words."""
-
-    def __init__(self, reason: str, result: str = "failed") -> None:
-        super().__init__(reason)
-        self.result = result  # for the metric: unavailable | failed | timeout
-
-
 class CountsPrompts(Protocol):
     """The server's tokenizer (`proxy.diagnosis.server_check.ServerTokenizer`)."""
 
-    async def count(self, query: TokenizerQuery, facts: ServerFacts, client_authorization: str | None = None,
+    async def count(self, query: TokenizerQuery, identity: ServerIdentity, client_authorization: str | None = None,
                     ) -> PromptCount: ...
 
 
@@ -145,21 +136,21 @@ class _Waiting:
     authorization: str | None
     size: int
     deadline: float  # monotonic: when it goes on, decided or not
-    probe: bool = False  # the breaker's probe
+    trial: bool = False  # the breaker's trial call
 
 
 class TokenizerQueue:
     """Holds each record that needs the server's tokenizer until it answers (bounded in count, bytes
     and time), then hands it on to `deliver`, decided or with the reason it was not."""
 
-    def __init__(self, tokenizer: CountsPrompts, facts: Callable[[], ServerFacts],
+    def __init__(self, tokenizer: CountsPrompts, identity: Callable[[], ServerIdentity],
                  deliver: Callable[[ResponseRecord], None], limits: QueueLimits = QueueLimits(), *,
-                 gate: CallGate | None = None, facts_known: asyncio.Event | None = None,
+                 gate: CallGate | None = None, identity_known: asyncio.Event | None = None,
                  on_result: Callable[[str], None] = lambda result: None,
                  on_lost: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
         self._tokenizer = tokenizer
-        self._facts = facts
-        self._facts_known = facts_known  # set once the server was first asked what it is (None: never asked)
+        self._identity = identity
+        self._identity_known = identity_known  # set once the server was first asked who it is (None: never)
         self._deliver = deliver
         self._limits = limits
         self._gate = gate or CallGate(limits.in_flight, limits.rate_per_s, clock=clock)
@@ -174,7 +165,7 @@ class TokenizerQueue:
         self._closed = False
         self._failures = 0  # calls in a row that failed
         self._open_since: float | None = None  # the breaker: open since then (monotonic), None while closed
-        self._probing = False
+        self._trying = False
         self._logged: set[str] = set()
 
     @property
@@ -193,19 +184,19 @@ class TokenizerQueue:
             self._give_up(record, query, "the proxy is stopping", "skipped")
             return
         now = self._clock()
-        probe = False
+        trial = False
         if self._open_since is not None:
-            if self._probing or now - self._open_since < self._limits.breaker_retry_s:
+            if self._trying or now - self._open_since < self._limits.breaker_retry_s:
                 self._give_up(record, query, f"the server's tokenizer failed {self._limits.breaker_failures} times "
                               "in a row; records go on at once until a call succeeds again", "breaker_open")
                 return
-            probe = self._probing = True
+            trial = self._trying = True
         size = len(query.body)
         if len(self._queue) >= self._limits.queue_max or self._bytes + size > self._limits.queue_bytes:
-            self._probing = self._probing and not probe
+            self._trying = self._trying and not trial
             self._give_up(record, query, "too many records were waiting for the server's tokenizer", "dropped")
             return
-        self._queue.append(_Waiting(record, query, authorization, size, now + self._limits.max_wait_s, probe))
+        self._queue.append(_Waiting(record, query, authorization, size, now + self._limits.max_wait_s, trial))
         self._bytes += size
         self._wake.set()
 
@@ -261,8 +252,8 @@ class TokenizerQueue:
                 self._outwaited(waiting)
 
     def _outwaited(self, waiting: _Waiting) -> None:
-        if waiting.probe:
-            self._probing = False
+        if waiting.trial:
+            self._trying = False
         self._give_up(waiting.record, waiting.query, f"no answer from the server's tokenizer within "
                       f"{self._limits.max_wait_s:g} s of the answer's end", "timeout")
 
@@ -280,16 +271,15 @@ class TokenizerQueue:
                 return
             try:
                 async with asyncio.timeout(timeout):
-                    if self._facts_known is not None:  # a record that came before the first probe answered
-                        await self._facts_known.wait()
-                    facts = self._facts()
-                    count = await self._tokenizer.count(waiting.query, facts, waiting.authorization)
+                    if self._identity_known is not None:  # a record that came before the server was first asked
+                        await self._identity_known.wait()
+                    count = await self._tokenizer.count(waiting.query, self._identity(), waiting.authorization)
             except TimeoutError:
                 said = (f"no answer within {self._limits.timeout_s:g} s" if timeout >= self._limits.timeout_s else
                         f"no answer within {self._limits.max_wait_s:g} s of the answer's end")
                 raise TokenizerUnavailable(said, "timeout") from None
         except TokenizerUnavailable as exc:
-            self._failed(exc, waiting.probe)
+            self._failed(exc, waiting.trial)
             self._settled(waiting, None, f"not decided: the server's tokenizer could not count the prompt: {exc}")
             self._on_result(exc.result)
             return
@@ -300,24 +290,24 @@ class TokenizerQueue:
         self._on_result("decided" if waiting.record.length_cause != "unknown" else "undecided")
 
     def _settled(self, waiting: _Waiting, count: PromptCount | None, note: str | None) -> None:
-        Recorder.settle_length(waiting.record, waiting.query, self._facts().kind, count, note)
+        Recorder.settle_length(waiting.record, waiting.query, self._identity().kind, count, note)
         self._deliver(waiting.record)
 
     def _give_up(self, record: ResponseRecord, query: TokenizerQuery, why: str, result: str) -> None:
         try:
-            Recorder.settle_length(record, query, self._facts().kind, None, f"not decided: {why}")
+            Recorder.settle_length(record, query, self._identity().kind, None, f"not decided: {why}")
             self._on_result(result)
             self._deliver(record)
         except Exception as exc:
             self._lost.failed(exc)
 
     # --- the breaker ------------------------------------------------------------------------------
-    def _failed(self, exc: TokenizerUnavailable, probe: bool) -> None:
+    def _failed(self, exc: TokenizerUnavailable, trial: bool) -> None:
         self._note_failure(exc)
         self._failures += 1
-        if probe:
-            self._probing = False
-            self._open_since = self._clock()  # still failing: the next probe after another retry period
+        if trial:
+            self._trying = False
+            self._open_since = self._clock()  # still failing: the next trial after another retry period
             return
         if self._open_since is None and self._failures >= self._limits.breaker_failures:
             self._open_since = self._clock()
@@ -332,7 +322,7 @@ class TokenizerQueue:
     def _succeeded(self) -> None:
         self._failures = 0
         if self._open_since is not None:
-            self._open_since, self._probing = None, False
+            self._open_since, self._trying = None, False
             _log.info("server_tokenizer_breaker_closed", note="the server's tokenizer answers again")
 
     def _note_failure(self, exc: TokenizerUnavailable) -> None:

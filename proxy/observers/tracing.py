@@ -40,13 +40,12 @@ import structlog
 
 from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
+from proxy.wire.dialects import provider_of
 
 _log = structlog.get_logger("llm_diag_proxy")
 QUEUE_MAX = 10_000
 BATCH_MAX = 512
 FLUSH_S = 1.0
-PROVIDERS = {"openai": "openai", "responses": "openai", "anthropic": "anthropic", "ollama": "ollama",
-             "llamacpp": "llama.cpp"}
 TEXT_COMPLETION_ROUTES = ("/v1/completions", "/api/generate", "/completion", "/completions")
 PROJECT_ATTRIBUTES = (
     "stop_reason", "length_cause", "cause", "outcome", "stop_reason_certain", "deadline_hit", "client_disconnected",
@@ -74,7 +73,7 @@ def attributes_of(record: ResponseRecord, upstream: str) -> dict[str, Any]:
     where = urlsplit(upstream)
     found: dict[str, Any] = {
         "gen_ai.operation.name": operation_of(record),
-        "gen_ai.provider.name": PROVIDERS.get(record.dialect, record.dialect),
+        "gen_ai.provider.name": provider_of(record.dialect),
         "server.address": where.hostname or "",
         "server.port": where.port or (443 if where.scheme == "https" else 80),
     }

@@ -36,7 +36,7 @@ from proxy.relay.upstream.connection import Connection
 class Stop(enum.Enum):
     END = "end"  # the body ended
     BROKE = "broke"  # the upstream's connection or framing broke: `error` says how
-    CLIENT_GONE = "client_gone"  # the client's connection closed under a write
+    CLIENT_LEFT = "client_left"  # the client's connection closed under a write
     PAUSED = "paused"  # the client takes no more for now: drain, then `resume()`
 
 
@@ -149,7 +149,7 @@ class BodyPump:
                 self.deadlines.arm(now)
             if framing.done:
                 self.ended_at = now
-                self._connection.body_ended(framing.extra)
+                self._connection.body_read_whole(framing.extra)
                 self._stop(Stop.END)
                 return
             if transport.get_write_buffer_size() and client.writing_paused:  # (nothing held: not paused)
@@ -224,7 +224,7 @@ class BodyPump:
         transport = self._client.transport
         if transport is None or transport.is_closing():
             if self.stopped is None:
-                self._stop(Stop.CLIENT_GONE)
+                self._stop(Stop.CLIENT_LEFT)
             return None
         return transport
 

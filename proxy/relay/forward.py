@@ -15,7 +15,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from functools import partial
+from enum import Enum
 from typing import Any
 
 import aiohttp
@@ -27,9 +27,8 @@ from multidict import CIMultiDict
 
 from proxy.config import ProxyConfig
 from proxy.diagnosis.clients import ClientNamer
-from proxy.diagnosis.delivery import Delivery
+from proxy.diagnosis.finish import Finisher
 from proxy.diagnosis.recorder import ParseLimits, Recorder
-from proxy.diagnosis.server_check import ServerCheck
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import (
@@ -46,7 +45,6 @@ from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
 from proxy.wire.parse_bytes import ParseBytes
-from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts
 
 _log = structlog.get_logger("llm_diag_proxy")
 REQUEST_ID = "X-Request-Id"
@@ -54,9 +52,6 @@ CONCURRENCY = "X-LLM-Diag-Concurrency"
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-# A finished exchange waits for its batch only while its recorder holds at most this (its request
-# body and unparsed reads): with `delivery.MAX_WAITING`, what the waiting finishes hold is bounded.
-DEFERRED_MAX_BYTES = 64 * 1024
 
 
 class _FreshIds:
@@ -98,6 +93,15 @@ def enforcement_event(media: str, kind: str, message: str) -> bytes:
     return payload + b"\n"
 
 
+class Ending(Enum):
+    """How a relayed body ended."""
+
+    BODY_ENDED = "body_ended"  # the upstream's end, relayed
+    DEADLINE = "deadline"  # a deadline (or the shutdown) ended it: ended visibly
+    UPSTREAM_BROKE = "upstream_broke"  # the upstream's connection broke: the client's is broken too
+    CLIENT_LEFT = "client_left"  # the client's connection closed under a write
+
+
 class RelayedResponse(web.StreamResponse):
     """The upstream's response head as aiohttp sends it, less what aiohttp adds to a head the
     upstream sent without it: `Content-Type` (a guess), `Date` (the upstream's clock or none) and
@@ -126,15 +130,13 @@ _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
-    def __init__(self, config: ProxyConfig, observers: Delivery, concurrency: InFlightTracker,
-                 parse_bytes: ParseBytes, check: ServerCheck | None = None,
-                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(self, config: ProxyConfig, finisher: Finisher, concurrency: InFlightTracker,
+                 parse_bytes: ParseBytes, on_refused: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
         self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
         self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
         self.clients = ClientNamer(config.client_secret or secrets.token_bytes(32), config.client_header)
-        self.observers = observers
-        self.check = check  # what only the server can still say, asked after each response
+        self.finisher = finisher  # the diagnosis's side: each exchange's start and end
         self.concurrency = concurrency
         self.parse_bytes = parse_bytes
         self.limits = ParseLimits(config.max_line_bytes, config.response_body_cap_bytes, parse_bytes)
@@ -214,8 +216,7 @@ class _Exchange:
     def __init__(self, forwarder: Forwarder, request: web.BaseRequest, recorder: Recorder,
                  deadlines: Deadlines) -> None:
         self.pool = forwarder.pool
-        self.observers = forwarder.observers
-        self.check = forwarder.check
+        self.finisher = forwarder.finisher
         self.base = forwarder.config.upstream
         self.authorization = forwarder.config.upstream_authorization
         self.body_cap = forwarder.config.request_body_cap_bytes
@@ -330,10 +331,33 @@ class _Exchange:
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
         await response.prepare(self.request)
         writer = self.request.writer
-        client = self.request.protocol
-        pump = BodyPump(upstream.content, upstream.protocol, client,
+        pump = BodyPump(upstream.content, upstream.protocol, self.request.protocol,
                         isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,
                         time.monotonic())
+        ending, error = await self._pump(pump)
+        if ending is Ending.DEADLINE:
+            fired = deadlines.fired
+            if fired == "shutdown" or fired is None:
+                recorder.proxy_shutdown()
+            else:
+                recorder.deadline_enforced(fired)
+            await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
+        elif ending is Ending.UPSTREAM_BROKE:
+            recorder.upstream_broke(f"upstream connection broke mid-body: {type(error).__name__}: {error}"[:300])
+            self._break_client_connection(response)
+        elif ending is Ending.CLIENT_LEFT:
+            # The client went away between two writes: a routine end, recorded as such. Raising
+            # would make aiohttp log it as a handler error with a traceback.
+            recorder.client_left()
+        else:
+            await self._end_body(response, upstream, pump.relays_framing, chunked)
+        return response
+
+    async def _pump(self, pump: BodyPump) -> tuple[Ending, BaseException | None]:
+        """Run the pump to the body's end, the client's pace and the deadlines minded; how it ended
+        (and the upstream's error when it broke). The pump is detached and the body's end noted,
+        once, whatever ended it."""
+        deadlines, writer = self.deadlines, self.request.writer
         try:
             async with deadlines.guard():
                 pump.start()
@@ -345,49 +369,38 @@ class _Exchange:
                     deadlines.disarm()  # a slow client is not an idle upstream
                     await writer.drain()
                     pump.resume()
-            pump.detach()
-            if pump.stopped is Stop.CLIENT_GONE:
-                raise ConnectionResetError("the client's connection closed")
-            if pump.stopped is Stop.BROKE:
-                error = pump.error
-                raise error if isinstance(error, _BROKEN_UPSTREAM) else aiohttp.ClientPayloadError(str(error))
         except TimeoutError:
-            pump.detach()
-            fired = deadlines.fired
-            if fired is None:
+            if deadlines.fired is None:
                 raise
-            if fired == "shutdown":
-                recorder.proxy_shutdown()
-            else:
-                recorder.deadline_enforced(fired)
-            recorder.body_stopped(time.monotonic())
-            await self._end_visibly(response, content_type.partition(";")[0].strip().lower(), upstream)
-            return response
-        except _BROKEN_UPSTREAM as exc:
-            recorder.upstream_broke(f"upstream connection broke mid-body: {type(exc).__name__}: {exc}"[:300])
-            recorder.body_stopped(time.monotonic())
-            self._break_client_connection(response)
-            return response
+            return Ending.DEADLINE, None
         except ConnectionError:
-            # The client went away between two writes: a routine end, recorded as such. Re-raising
-            # would make aiohttp log it as a handler error with a traceback.
-            recorder.client_left()
-            return response
+            return Ending.CLIENT_LEFT, None
         finally:
             pump.detach()
-            recorder.body_stopped(pump.ended_at or time.monotonic())
+            self.recorder.body_ended(pump.ended_at or time.monotonic())
             self.max_gap = pump.max_gap
+        if pump.stopped is Stop.CLIENT_LEFT:
+            return Ending.CLIENT_LEFT, None
+        if pump.stopped is Stop.BROKE:
+            error = pump.error
+            return Ending.UPSTREAM_BROKE, (error if isinstance(error, _BROKEN_UPSTREAM)
+                                           else aiohttp.ClientPayloadError(str(error)))
+        return Ending.BODY_ENDED, None
+
+    async def _end_body(self, response: web.StreamResponse, upstream: UpstreamResponse, relays_framing: bool,
+                        chunked: bool) -> None:
+        """The body's clean end: the last chunk as it came (with the upstream's trailers), or aiohttp's."""
+        writer = self.request.writer
         try:
-            if pump.relays_framing:
+            if relays_framing:
                 assert isinstance(writer, StreamWriter)
                 writer.chunked = False  # the last chunk and its trailers went as they came
-            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked and not pump.relays_framing else None
+            trailers = trailer_section(upstream.protocol.raw_tail()) if chunked and not relays_framing else None
             if trailers is not None and isinstance(writer, StreamWriter) and writer.chunked:
                 await self._end_with_trailers(response, writer, trailers)
             await response.write_eof()
-        except ConnectionError:  # gone before the end of the body reached it, as above
-            recorder.client_left()
-        return response
+        except ConnectionError:  # gone before the end of the body reached it
+            self.recorder.client_left()
 
     @staticmethod
     async def _end_with_trailers(response: web.StreamResponse, writer: StreamWriter, trailers: bytes) -> None:
@@ -423,40 +436,22 @@ class _Exchange:
     def _notify_start(self) -> None:
         if not self.notified_start:
             self.notified_start = True
-            self.observers.response_started(self.recorder.record)
+            self.finisher.started(self.recorder.record)
 
     def finish(self) -> None:
         """Hand the finished record to the observers; runs exactly once per request."""
         recorder = self.recorder
-        if not recorder.client_gone and not self.closed_by_us and self._client_connection_lost():
+        if not recorder.client_has_left and not self.closed_by_us and self._client_connection_lost():
             recorder.client_left()
         self._notify_start()
-        recorder.body_stopped(time.monotonic())
+        recorder.body_ended(time.monotonic())
         ended = recorder.ended_at
         assert ended is not None
         passed = self.deadlines.passed(ended, self.max_gap)
         if passed is not None:
             recorder.deadline_observed(passed)
-        # What the record is made of is fixed now: a streamed answer holding little is finished with
-        # the batch of records (`Delivery.later`), any other at once (its body within the bytes held for parsing).
-        finish = partial(_finish, recorder, self.observers, self.check,
-                         None if self.check is None else self.check.facts, self.request.headers.get("Authorization"))
-        if recorder.tally.streaming and recorder.held_bytes <= DEFERRED_MAX_BYTES:
-            self.observers.later(finish)
-        else:
-            self.observers.now(finish)  # (a failure of the record path never reaches the client's connection)
+        self.finisher.ended(recorder, self.request.headers.get("Authorization"))  # (what it is made of is fixed now)
 
     def _client_connection_lost(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
-
-
-def _finish(recorder: Recorder, observers: Delivery, check: ServerCheck | None, facts: ServerFacts | None,
-            authorization: str | None) -> None:
-    """Classify and hand on a finished exchange's record (`facts`: the server's, when it ended)."""
-    if check is None or facts is None:
-        observers.response_finished(recorder.finish(server=UNKNOWN_SERVER))
-        return
-    record = recorder.finish(server=facts)
-    check.probe.saw_model(record.model)
-    check.finished(record, recorder.tokenizer_query(), authorization)

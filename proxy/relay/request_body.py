@@ -50,7 +50,7 @@ class RequestBody:
                 self._pass_on(bytearray(), b"", _over_cap(cap))
                 return
             if not self._parse_bytes.reserve(declared):
-                self._pass_on(bytearray(), b"", _BUDGET_SPENT)
+                self._pass_on(bytearray(), b"", _PARSE_BYTES_RAN_OUT)
                 return
             self._reserved = declared
         head = bytearray()
@@ -64,7 +64,7 @@ class RequestBody:
                     self._pass_on(head, chunk, _over_cap(cap))
                     return
                 if not self._parse_bytes.reserve(len(chunk)):
-                    self._pass_on(head, chunk, _BUDGET_SPENT)
+                    self._pass_on(head, chunk, _PARSE_BYTES_RAN_OUT)
                     return
                 self._reserved += len(chunk)
             head += chunk
@@ -102,7 +102,7 @@ class RequestBody:
         self._reserved = 0
 
 
-_BUDGET_SPENT = "the process-wide bytes held for parsing (--parse-bytes) ran out: request body not parsed"
+_PARSE_BYTES_RAN_OUT = "the process-wide bytes held for parsing (--parse-bytes) ran out: request body not parsed"
 
 
 def _over_cap(cap: int) -> str:

@@ -126,7 +126,7 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
         UpstreamReachability(config.upstream, session, config.upstream_authorization), config.admin_token,
         ready=lambda: not serving.forwarder.shutting_down, allowed_hosts=config.admin_allowed_hosts,
         readers=running.readers, instance=config.instance,
-        about=about(config, lambda: running.proxy_url, lambda: running.admin_url, lambda: serving.check.facts))
+        about=about(config, lambda: running.proxy_url, lambda: running.admin_url, lambda: serving.check.identity))
     try:
         running.proxy_url = await serving.listen()
         running._admin_runner, _, running.admin_url = await listen(

@@ -5,11 +5,10 @@ message pickled (both ends are this program; nothing else can write to the pair)
 record crosses it: a worker runs its own observers, and the supervisor asks for what it serves
 (a page, a record, the metrics) when someone reads its admin listener.
 
-- worker → supervisor, told: `Listening` (its port is open), `ModelSeen` (a request named a model
-  the server's identity may depend on), `MetricsSnapshot` (its registry, at most once a second when
-  it changed, and once more as it stops);
+- worker → supervisor, told: `Listening` (its port is open), `MetricsSnapshot` (its registry, at most
+  once a second when it changed, and once more as it stops);
 - supervisor → worker, told: `TelemetrySamples` (what the supervisor's pollers read, for each
-  worker's records), `ServerKnown` (what the server says of itself);
+  worker's records);
 - asked, by the supervisor, and answered by the worker: `Settle` → `Settled`, `PageAsked` →
   `PageFound`, `RecordAsked` → `RecordFound`, `RingAsked` → `RingFound`, `MetricsAsked` →
   `MetricsSnapshot`.
@@ -32,7 +31,6 @@ from typing import Any
 import structlog
 
 from proxy.observers.record_store import RecordQuery
-from proxy.wire.server_facts import ServerFacts
 
 _log = structlog.get_logger("llm_diag_proxy")
 FRAME = struct.Struct(">I")
@@ -46,11 +44,6 @@ ASK_TIMEOUT_S = 5.0
 class Listening:
     url: str
     pid: int
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSeen:
-    model: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +63,6 @@ class TelemetrySamples:
     gpu: tuple[tuple[float, Any], ...] = ()
     upstream: tuple[tuple[float, Any], ...] = ()
     pids: frozenset[int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ServerKnown:
-    facts: ServerFacts
 
 
 # --- asked and answered --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.diagnosis.delivery import Delivery
+from proxy.diagnosis.finish import Finisher
 from proxy.diagnosis.server_check import ServerCheck, open_server_check
 from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits
 from proxy.observers.history import History, HistorySource
@@ -103,7 +104,7 @@ class ServingProcess:
         gate = CallGate(shared=shared.gate, owner=owner) if shared is not None else None
         check = server_check(config, delivery.response_finished, metrics.count_tokenizer, metrics.know_models,
                              metrics.records_lost.inc, gate=gate, workers=workers)
-        forwarder = Forwarder(config, delivery, concurrency, parse_bytes, check, metrics.count_refused)
+        forwarder = Forwarder(config, Finisher(delivery, check), concurrency, parse_bytes, metrics.count_refused)
         return cls(config, owner, metrics, store, history, tracer, delivery, check, forwarder, concurrency,
                    parse_bytes)
 

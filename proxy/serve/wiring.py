@@ -14,20 +14,20 @@ import aiohttp
 
 from proxy.config import ProxyConfig
 from proxy.relay.upstream.pool import POOLED_IDLE_S
-from proxy.wire.server_facts import ServerFacts
+from proxy.servers.base import ServerIdentity
 
 T = TypeVar("T")
 
 
 def about(config: ProxyConfig, proxy_url: Callable[[], str], admin_url: Callable[[], str],
-          facts: Callable[[], ServerFacts]) -> Callable[[], dict[str, Any]]:
+          identity: Callable[[], ServerIdentity]) -> Callable[[], dict[str, Any]]:
     """`/api/about`'s answer: this proxy's addresses, its name on records, its upstream and what the
     upstream says of itself."""
 
     def answer() -> dict[str, Any]:
         return {"proxy": {"url": reachable_url(proxy_url()), "admin": reachable_url(admin_url()),
                           "instance": config.instance, "upstream": config.upstream, "workers": config.workers},
-                "server": facts().to_dict()}
+                "server": identity().to_dict()}
 
     return answer
 

@@ -45,7 +45,6 @@ import aiohttp
 import structlog
 
 from proxy.config import HostPort, ProxyConfig
-from proxy.diagnosis.server_check import ServerFactsProbe
 from proxy.diagnosis.tokenizer_queue import CallGate
 from proxy.observers.history import HistorySource
 from proxy.observers.logs import configure_logging
@@ -79,8 +78,9 @@ from proxy.serve.messages import (
 from proxy.serve.process import END_WAIT_S, RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.shared import DELIVERED, OPEN, Ledger, SharedState
 from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
+from proxy.servers.base import UNKNOWN_SERVER
+from proxy.servers.identity import IdentityPoller
 from proxy.wire.parse_bytes import ParseBytes
-from proxy.wire.server_facts import UNKNOWN_SERVER
 
 _log = structlog.get_logger("llm_diag_proxy")
 START_TIMEOUT_S = 60.0
@@ -538,7 +538,7 @@ async def _supervise(config: ProxyConfig) -> int:
     identity_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10),
                                              headers={"Authorization": config.upstream_authorization}
                                              if config.upstream_authorization else None)
-    identity = ServerFactsProbe(identity_session, config.upstream, enabled=config.upstream_metrics != "off")
+    identity = IdentityPoller(identity_session, config.upstream, enabled=config.upstream_metrics != "off")
     history = None if config.history_path is None else HistorySource(config.history_path, config.history_password)
     urls = {"proxy": "", "admin": ""}
     admin_app = build_admin_app(
@@ -547,7 +547,7 @@ async def _supervise(config: ProxyConfig) -> int:
         ready=lambda: supervisor.ready, allowed_hosts=config.admin_allowed_hosts, readers=AdminReaders(),
         instance=config.instance,
         about=about(config, lambda: urls["proxy"], lambda: urls["admin"],
-                    lambda: identity.facts if identity.enabled else UNKNOWN_SERVER))
+                    lambda: identity.identity if identity.enabled else UNKNOWN_SERVER))
     admin_runner = None
     identifying: asyncio.Task[None] | None = None
     code = 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.record import ResponseRecord
-from proxy.wire.server_facts import ServerInfo
+from proxy.servers.base import ServerInfo
 
 LimitKind = Literal["context", "clamp", "load_clamp", "unclear"]
 # Tokens of slack when comparing a sum with the server's context (a template's trailing token).

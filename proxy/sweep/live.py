@@ -17,11 +17,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.record import ResponseRecord, concurrency_bucket
+from proxy.servers.base import ServerInfo
 from proxy.sweep.sample import ClientMeasure, Sample
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import Verdict, decide
 from proxy.sweep.whose import NO_KEY
-from proxy.wire.server_facts import ServerInfo
+from proxy.wire.dialects import sweep_dialect_of
 
 MIN_PER_LEVEL = 5
 OBSERVATIONAL = ("observational: these are live requests, which differ in prompt and in what they ask, and busy "
@@ -31,11 +32,7 @@ OBSERVATIONAL = ("observational: these are live requests, which differ in prompt
 
 BY = ("instance", "upstream", "client", "model")  # what `diagnose --by` compares
 NO_EFFECT = ("no_load_effect", "insufficient_data")
-# The sweep's dialect for a recorded one: llama.cpp's /completion is swept through its OpenAI route.
-SWEEP_DIALECT = {"openai": "openai", "ollama": "ollama", "anthropic": "anthropic", "responses": "responses",
-                 "llamacpp": "openai"}
 RECORDS_SOURCE = "the proxy's records (context_tokens)"
-
 
 @dataclass
 class Group:
@@ -163,7 +160,7 @@ def sweep_command(group: Group, target: str, admin: str | None) -> str:
     cut = [r for r in records if r.outcome in ("cut", "unknown")] or records
     budget = _median([r.requested_max_tokens for r in cut if r.requested_max_tokens]) or 256
     prompt = _median([r.prompt_tokens for r in cut if r.prompt_tokens])
-    dialects = Counter(SWEEP_DIALECT.get(r.dialect, "openai") for r in cut)
+    dialects = Counter(sweep_dialect_of(r.dialect) for r in cut)
     dialect = dialects.most_common(1)[0][0] if dialects else "openai"
     levels = ",".join(str(s.level) for s in group.summaries)
     parts = ["llm-diag-proxy sweep", f"--target {shlex.quote(target)}",

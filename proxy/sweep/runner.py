@@ -24,18 +24,18 @@ import orjson
 
 from proxy.diagnosis.recorder import Recorder
 from proxy.diagnosis.server_check import ServerTokenizer, settle_now
-from proxy.diagnosis.server_reads import read_server_facts, read_server_info
 from proxy.record import record_from_dict
+from proxy.servers.base import UNKNOWN_SERVER, ServerIdentity, ServerInfo
+from proxy.servers.identity import identity_from_dict, read_context, read_identity
 from proxy.sweep.answer_text import AnswerText
 from proxy.sweep.open_loop import arrivals
 from proxy.sweep.sample import ClientMeasure, Sample
-from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo, facts_from_dict
 
 SweepDialect = Literal["openai", "ollama", "anthropic", "responses"]
 SWEEP_DIALECTS: tuple[str, ...] = SweepDialect.__args__  # type: ignore[attr-defined]
 PATHS: dict[str, str] = {"openai": "/v1/chat/completions", "ollama": "/api/chat", "anthropic": "/v1/messages",
                          "responses": "/v1/responses"}
-PROBE_TIMEOUT_S = 5.0
+ASK_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 2.0  # the proxy stores a record just after the last byte: allow it that long
 JOIN_RETRY_S = 0.05
 REQUEST_ID = "X-Request-Id"
@@ -142,7 +142,7 @@ def request_body(plan: SweepPlan) -> bytes:
 class ServerSide:
     """What the sweep knows of the server, and its tokenizer, to read a response as the proxy does."""
 
-    facts: ServerFacts = UNKNOWN_SERVER
+    identity: ServerIdentity = UNKNOWN_SERVER
     tokenizer: ServerTokenizer | None = None
 
 
@@ -194,14 +194,14 @@ async def send_one(session: aiohttp.ClientSession, plan: SweepPlan, body: bytes,
             recorder.no_answer("reset", error)
         else:
             recorder.upstream_broke(error)
-    record = recorder.finish(time.monotonic(), server=server.facts)
+    record = recorder.finish(time.monotonic(), server=server.identity)
     measure = ClientMeasure(status=status, ttft_s=record.ttft_s, itl_mean_s=record.itl_mean_s,
                             itl_p95_s=record.itl_p95_s, chunks=recorder.tally.tokens,
                             duration_s=time.monotonic() - t0, in_flight_at_start=in_flight, error=error,
                             answer_hash=text.digest(), via_proxy=via_proxy)
     query = recorder.tokenizer_query()
     if query is not None and server.tokenizer is not None and plan.admin is None:
-        await settle_now(server.tokenizer, record, query, server.facts)  # the proxy's record settles itself
+        await settle_now(server.tokenizer, record, query, server.identity)  # the proxy's record settles itself
     return Sample(level, index, request_id, record, "client", measure)
 
 
@@ -305,12 +305,12 @@ async def join_records(session: aiohttp.ClientSession, plan: SweepPlan, samples:
 
 async def listening(url: str, what: str) -> None:
     """Fail early with one line when nothing listens at a URL's host and port. A connection, and no
-    request: an HTTP probe through the proxy would be a record, a metric and, where the server
+    request: an HTTP request through the proxy would be a record, a metric and, where the server
     answers 404, an upstream error, all of the sweep's own making."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
+        async with asyncio.timeout(ASK_TIMEOUT_S):
             _, writer = await asyncio.open_connection(parts.hostname, port)
     except (OSError, TimeoutError) as exc:
         reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
@@ -320,14 +320,14 @@ async def listening(url: str, what: str) -> None:
         await writer.wait_closed()
 
 
-async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> tuple[ServerFacts, str | None]:
+async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> tuple[ServerIdentity, str | None]:
     """What the proxy behind `--admin` knows of its server (`GET /api/about`), and its upstream's URL:
     the server is never asked through the proxy. Unknown (and None) when the proxy cannot say (an
     older one, an error)."""
     assert plan.admin is not None
     headers = {"Authorization": f"Bearer {plan.admin_token}"} if plan.admin_token else {}
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S), session.get(plan.admin + "/api/about",
+        async with asyncio.timeout(ASK_TIMEOUT_S), session.get(plan.admin + "/api/about",
                                                                  headers=headers) as response:
             if response.status != 200:
                 return UNKNOWN_SERVER, None
@@ -338,13 +338,13 @@ async def read_about(session: aiohttp.ClientSession, plan: SweepPlan) -> tuple[S
         return UNKNOWN_SERVER, None
     proxy = about.get("proxy")
     upstream = proxy.get("upstream") if isinstance(proxy, dict) else None
-    return facts_from_dict(about.get("server")), upstream if isinstance(upstream, str) else None
+    return identity_from_dict(about.get("server")), upstream if isinstance(upstream, str) else None
 
 
-async def probe(session: aiohttp.ClientSession, url: str, what: str, headers: dict[str, str]) -> None:
+async def answers_at_all(session: aiohttp.ClientSession, url: str, what: str, headers: dict[str, str]) -> None:
     """Fail early with one line when a URL cannot be reached at all (any HTTP answer is fine)."""
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
+        async with asyncio.timeout(ASK_TIMEOUT_S):
             async with session.get(url, headers=headers) as response:
                 await response.read()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -431,8 +431,8 @@ async def calibrate(session: aiohttp.ClientSession, plan: SweepPlan, counted: in
         else:
             words = max(1, round(words * target / max(counted, 1)))
         plan = replace(plan, prompt_words=words)
-        probe = await send_one(session, plan, request_body(plan), str(uuid.uuid4()), 0, round_, 1, send_id=send_id)
-        record = probe.record
+        trial = await send_one(session, plan, request_body(plan), str(uuid.uuid4()), 0, round_, 1, send_id=send_id)
+        record = trial.record
         counted = record.prompt_tokens if record.prompt_tokens_source in ("usage", "server_error") else None
     return replace(plan, prompt_words=words)
 
@@ -443,22 +443,22 @@ async def server_side(session: aiohttp.ClientSession, plan: SweepPlan, warmed: W
     Through a proxy the server is asked nothing: the proxy's `--admin` says what it knows (and its
     records are settled by its own tokenizer). A server swept directly is asked as the proxy asks it."""
     if plan.admin is not None:
-        facts, upstream = await read_about(session, plan)
-        if facts.kind == "unknown" and upstream is not None:
+        identity, upstream = await read_about(session, plan)
+        if identity.kind == "unknown" and upstream is not None:
             # A proxy that asks its server nothing (--upstream-metrics off): the sweep asks the server
             # itself, at its own address, never through the proxy port.
-            info = await read_server_info(session, upstream, plan.model)
-            return info, ServerSide(await read_server_facts(session, upstream, (plan.model,)))
-        return facts.info_for(plan.model), ServerSide(facts)
+            info = await read_context(session, upstream, plan.model)
+            return info, ServerSide(await read_identity(session, upstream, (plan.model,)))
+        return identity.info_for(plan.model), ServerSide(identity)
     if warmed.via_proxy:
         notes.append("the target is llm-diag-proxy: without --admin the sweep asks the server nothing through it, "
                      "so its context is not named and counted length stops stay open; pass --admin")
         return None, ServerSide()
     # After the warm-up: a llama.cpp router has loaded the model by then, and only a loaded model's
     # context can be read (a state read never loads one).
-    info = await read_server_info(session, plan.target, plan.model)
-    facts = await read_server_facts(session, plan.target, (plan.model,))
-    return info, ServerSide(facts, ServerTokenizer(session, plan.target))
+    info = await read_context(session, plan.target, plan.model)
+    identity = await read_identity(session, plan.target, (plan.model,))
+    return info, ServerSide(identity, ServerTokenizer(session, plan.target))
 
 
 async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = lambda level: None,
@@ -468,11 +468,11 @@ async def run_sweep(plan: SweepPlan, *, on_level_start: Callable[[int], None] = 
     """Every level in order, after `warmup` unrecorded requests (a model load must not count)."""
     # Open loop: no bound in the client, or its queue would hold arrivals back (the load is the rates').
     connector = aiohttp.TCPConnector(limit=0 if plan.open_loop else max(plan.levels), force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=ASK_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await listening(plan.target, "target")
         if plan.admin is not None:
-            await probe(session, plan.admin + "/healthz", "proxy's admin API", {})
+            await answers_at_all(session, plan.admin + "/healthz", "proxy's admin API", {})
         run = SweepRun([])
         warmed = await warm_up(session, plan, request_body(plan), run.notes)
         send_id = warmed.send_id

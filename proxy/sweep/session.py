@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from proxy import __version__
 from proxy.config import CliError
+from proxy.servers.base import ServerInfo
 from proxy.sweep import export, open_loop, table
 from proxy.sweep.open_loop import Slo, parse_slo
 from proxy.sweep.progress import ProgressBar
@@ -20,7 +21,6 @@ from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
 from proxy.sweep.sample import Sample
 from proxy.sweep.stats import LevelSummary, by_level, summarize
 from proxy.sweep.verdict import COMPLETION_DROP, MIN_CUT, Verdict, decide
-from proxy.wire.server_facts import ServerInfo
 
 OPEN_LOOP_MIN_PER_LEVEL = 3
 FAIL_EXIT = 1  # a verdict named in --fail-on; 2 stays a usage or connection error

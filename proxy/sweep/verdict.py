@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
+from proxy.servers.base import ServerInfo
 from proxy.sweep import timeouts
 from proxy.sweep.limits import CONTEXT_SLACK, characterise
 from proxy.sweep.sample import Sample
@@ -31,7 +32,6 @@ from proxy.sweep.stats import (
     output_tokens,
     stop_label,
 )
-from proxy.wire.server_facts import ServerInfo
 
 VerdictKind = Literal["insufficient_data", "baseline_truncation", "policy", "serving_defect",
                       "hidden_cap", "length_shift", "batch_nondeterminism", "no_load_effect"]

@@ -107,4 +107,4 @@ Event = TokenDelta | Finish | Usage | ServerTimings | ErrorEvent | Done | ParseE
 ONE_TOKEN = TokenDelta(1)
 ONE_REASONING_TOKEN = TokenDelta(1, reasoning=True)
 DONE = Done()
-NO_EVENTS: list[Event] = []
+NO_EVENTS: tuple[Event, ...] = ()  # (a tuple: no caller can add to what every parse shares)

@@ -26,7 +26,7 @@ learned one was. Anything else is decoded, so records are the same with and with
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -42,7 +42,7 @@ _ESCAPED_BODY = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*')
 _NUMBER = re.compile(rb'-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 _PLAIN_SCALAR = re.compile(rb'[^"\\\x00-\x1f]*')  # a string hole's body: no escapes at all
 NOT_PLAIN, EMPTY, VISIBLE, REASONING = -1, 0, 1, 2  # what `PlainTokens.count` says of an event
-EVENTS: dict[int, list[Event]] = {EMPTY: [], VISIBLE: [ONE_TOKEN], REASONING: [ONE_REASONING_TOKEN]}
+EVENTS: dict[int, tuple[Event, ...]] = {EMPTY: (), VISIBLE: (ONE_TOKEN,), REASONING: (ONE_REASONING_TOKEN,)}
 MAX_LEARNED = 64  # shapes learned per response; past it (a shape that never repeats) all is decoded
 
 
@@ -145,7 +145,7 @@ class PlainTokens:
                 return found
         return NOT_PLAIN
 
-    def decoded(self, data: bytes, events: list[Event]) -> None:
+    def decoded(self, data: bytes, events: Sequence[Event]) -> None:
         """An event was decoded into `events`: learn its shape when it is one plain token."""
         if len(events) != 1 or self._learned >= MAX_LEARNED:
             return
@@ -172,9 +172,10 @@ class PlainTokens:
         only = self.shapes[0] if len(self.shapes) == 1 and self.shapes[0].hole is None else None
         self._only = None if only is None else (only.head_a, only.tail, only.count)
 
-    def _decodes_to(self, data: bytes) -> list[Event] | None:
+    def _decodes_to(self, data: bytes) -> tuple[Event, ...] | None:
+        """The events `data` decodes to, as a tuple (to compare with EVENTS), or None."""
         try:
-            return self._interpret(orjson.loads(data))
+            return tuple(self._interpret(orjson.loads(data)))
         except (ValueError, TypeError, AttributeError):
             return None
 
@@ -182,7 +183,7 @@ class PlainTokens:
         """The token string decides: the learned event (a non-empty string) made `event`, and the
         same bytes with the string emptied make none. One decode per shape learned."""
         del event
-        return self._decodes_to(head + tail) == []
+        return self._decodes_to(head + tail) == ()
 
     def _with_hole(self, old: Shape, new: Shape) -> Shape | None:
         """When two shapes differ in one scalar of their heads only: one shape with a hole there."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -46,14 +46,14 @@ def load_json(payload: bytes | bytearray) -> Any:
 class ResponseParser(Protocol):
     streaming: bool  # a stream of events (SSE, NDJSON), not one JSON document
 
-    def feed(self, chunk: bytes) -> list[Event]: ...
+    def feed(self, chunk: bytes) -> Sequence[Event]: ...
 
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int: ...
 
-    def close(self) -> list[Event]: ...
+    def close(self) -> Sequence[Event]: ...
 
 
-def _interpret(interpret: Interpret, payload: bytes | bytearray) -> list[Event]:
+def _interpret(interpret: Interpret, payload: bytes | bytearray) -> Sequence[Event]:
     try:
         return interpret(orjson.loads(payload) if len(payload) <= ORJSON_MAX_BYTES else load_json(payload))
     except (ValueError, TypeError, AttributeError) as exc:
@@ -78,7 +78,7 @@ class _StreamParser:
         # The one learned shape, framed as a read of its own: (its shape, head, tail), for `plain_reads`.
         self._framed: tuple[tuple[bytes, bytes, int], bytes, bytes] | None = None
 
-    def feed(self, chunk: bytes) -> list[Event]:
+    def feed(self, chunk: bytes) -> Sequence[Event]:
         if self._one_ready:  # a server's usual read: one plain token event, whole
             events = self._one(chunk)
             if events is not None:
@@ -89,7 +89,7 @@ class _StreamParser:
         self._one_ready = plain is not None and bool(plain.shapes) and self._clean()
         return events if self._overlong == before or events[0] is OVERLONG else _overlong_first(events)
 
-    def _one(self, chunk: bytes) -> list[Event] | None:
+    def _one(self, chunk: bytes) -> Sequence[Event] | None:
         """The events of a read that is one whole payload the learned shapes count, exactly as the
         longer way gives them (a clean decoder, no CR, within the line limit); else None."""
         opening, separator = self.OPENING, self.SEPARATOR
@@ -128,7 +128,7 @@ class _StreamParser:
             at += 1
         return at - start
 
-    def _feed_read(self, chunk: bytes) -> list[Event]:
+    def _feed_read(self, chunk: bytes) -> Sequence[Event]:
         """One read: its complete payloads through the fast path, the rest through the decoder."""
         if self._plain is None or b"\r" in chunk:
             return self._decode(chunk)
@@ -154,15 +154,15 @@ class _StreamParser:
         """The decoder holds nothing of a payload begun in an earlier read."""
         raise NotImplementedError
 
-    def _decode(self, chunk: bytes) -> list[Event]:
+    def _decode(self, chunk: bytes) -> Sequence[Event]:
         """A read through the decoder, byte by byte as it frames them."""
         raise NotImplementedError
 
-    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> Sequence[Event]:
         """The read's complete payloads (up to `end`, a separator) by the fast path, then the rest."""
         raise NotImplementedError
 
-    def _payload(self, data: bytes) -> list[Event]:
+    def _payload(self, data: bytes) -> Sequence[Event]:
         plain = self._plain
         if plain is None:
             return _interpret(self._interpret, data)
@@ -177,14 +177,14 @@ class _StreamParser:
 OVERLONG = ParseError("a line exceeded the line limit")
 
 
-def _overlong_first(events: list[Event]) -> list[Event]:
+def _overlong_first(events: Sequence[Event]) -> Sequence[Event]:
     """A read's events with one over-long report, first. The decoder reports a read's over-long
     lines before its events (it counts them while it splits); the fast path meets them in order.
     Either way the record is then the same."""
     return [OVERLONG, *(event for event in events if event is not OVERLONG)]
 
 
-def _tokens(events: list[Event], visible: int, reasoning: int) -> list[Event]:
+def _tokens(events: list[Event], visible: int, reasoning: int) -> Sequence[Event]:
     """The plain tokens of one read, counted into one event of each kind."""
     if visible:
         events.append(TokenDelta(visible))
@@ -232,14 +232,14 @@ class SseParser(_StreamParser):
     def _clean(self) -> bool:
         return self._decoder.clean
 
-    def _decode(self, chunk: bytes) -> list[Event]:
+    def _decode(self, chunk: bytes) -> Sequence[Event]:
         payloads = self._decoder.feed(chunk)
         if self._decoder.overlong_lines != self._overlong:
             self._overlong = self._decoder.overlong_lines
             return [OVERLONG, *self._events(payloads)]
         return self._events(payloads) if payloads else _NO_EVENTS
 
-    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> Sequence[Event]:
         """The read's complete events (up to `end`, a blank line), then what it leaves open.
 
         The one learned shape of a response is tried against the whole read first
@@ -300,11 +300,11 @@ class SseParser(_StreamParser):
             events.extend(self._decode(chunk[end + 2:]))
         return events
 
-    def close(self) -> list[Event]:
+    def close(self) -> Sequence[Event]:
         self._decoder.close()
         return _NO_EVENTS
 
-    def _events(self, payloads: list[tuple[bytes | None, bytes]]) -> list[Event]:
+    def _events(self, payloads: list[tuple[bytes | None, bytes]]) -> Sequence[Event]:
         if len(payloads) == 1:  # the common case: one event per chunk
             return self._event(payloads[0][1])
         events: list[Event] = []
@@ -312,7 +312,7 @@ class SseParser(_StreamParser):
             events.extend(self._event(data))
         return events
 
-    def _event(self, data: bytes) -> list[Event]:
+    def _event(self, data: bytes) -> Sequence[Event]:
         if data[:6] == _DONE_PAYLOAD and data.strip() == _DONE_PAYLOAD:
             return [DONE]
         return self._payload(data)
@@ -330,7 +330,7 @@ class NdjsonParser(_StreamParser):
     def _clean(self) -> bool:
         return self._decoder.clean
 
-    def _decode(self, chunk: bytes) -> list[Event]:
+    def _decode(self, chunk: bytes) -> Sequence[Event]:
         lines = self._decoder.feed(chunk)
         events = self._events(lines) if lines else _NO_EVENTS
         if self._decoder.overlong_lines != self._overlong:
@@ -338,7 +338,7 @@ class NdjsonParser(_StreamParser):
             return [OVERLONG, *events]
         return events
 
-    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> list[Event]:
+    def _feed_complete(self, chunk: bytes, end: int, plain: PlainTokens) -> Sequence[Event]:
         events: list[Event] = []
         counts = [0, 0, 0]  # by plain.count's answer: empty, visible, reasoning
         limit = self._max_line
@@ -358,10 +358,10 @@ class NdjsonParser(_StreamParser):
             events.extend(self._decode(chunk[end + 1:]))
         return events
 
-    def close(self) -> list[Event]:
+    def close(self) -> Sequence[Event]:
         return self._events(self._decoder.close())
 
-    def _events(self, lines: list[bytes]) -> list[Event]:
+    def _events(self, lines: list[bytes]) -> Sequence[Event]:
         if len(lines) == 1:
             return self._payload(lines[0])
         events: list[Event] = []
@@ -397,7 +397,7 @@ class JsonBodyParser:
             else:
                 self._refused = "parse_bytes"
 
-    def feed(self, chunk: bytes) -> list[Event]:
+    def feed(self, chunk: bytes) -> Sequence[Event]:
         self._size += len(chunk)
         if self._refused is not None:
             return _NO_EVENTS
@@ -421,7 +421,7 @@ class JsonBodyParser:
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
         return 0
 
-    def close(self) -> list[Event]:
+    def close(self) -> Sequence[Event]:
         if self._refused == "cap":
             return [ParseError(f"body of {self._size} bytes exceeds the {self._cap}-byte parse cap")]
         if self._refused == "parse_bytes":
@@ -444,13 +444,13 @@ class UnknownParser:
     def __init__(self, reason: str) -> None:
         self._reason = reason
 
-    def feed(self, chunk: bytes) -> list[Event]:
+    def feed(self, chunk: bytes) -> Sequence[Event]:
         return _NO_EVENTS
 
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
         return 0
 
-    def close(self) -> list[Event]:
+    def close(self) -> Sequence[Event]:
         return [ParseError(self._reason)]
 
 
@@ -466,7 +466,7 @@ class DecompressingParser:
         wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
         self._zlib: Any = zlib.decompressobj(wbits)
 
-    def feed(self, chunk: bytes) -> list[Event]:
+    def feed(self, chunk: bytes) -> Sequence[Event]:
         if self._zlib is None:
             return _NO_EVENTS
         try:
@@ -482,7 +482,7 @@ class DecompressingParser:
     def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
         return 0  # the reads are not the events: each goes through the decompressor
 
-    def close(self) -> list[Event]:
+    def close(self) -> Sequence[Event]:
         return self._inner.close()
 
 

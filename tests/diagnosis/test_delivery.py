@@ -39,7 +39,7 @@ class Facts(Enricher):
     def __init__(self) -> None:
         self.now = 1.0
 
-    def facts_for(self, record: ResponseRecord) -> ServerDuring:
+    def during(self, record: ResponseRecord) -> ServerDuring:
         return {"upstream_running_max": self.now}
 
 

@@ -9,10 +9,12 @@ import orjson
 from proxy.diagnosis.prompt_rules import length_cause_from_prompt
 from proxy.diagnosis.recorder import Recorder, read_request
 from proxy.diagnosis.server_check import ServerTokenizer
+from proxy.servers.base import ServerIdentity, ServerInfo
+from proxy.servers.vllm import context_in_listing as from_vllm_models
+from proxy.servers.vllm import model_contexts as vllm_contexts
 from proxy.wire.dialects import dialect_named
-from proxy.wire.server_facts import ServerFacts, ServerInfo, from_vllm_models, vllm_contexts
 
-OLLAMA = ServerFacts("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048)}, version="0.33.2")
+OLLAMA = ServerIdentity("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048)}, version="0.33.2")
 
 
 def ollama_answer(prompt_eval_count: object, num_ctx: object = None) -> object:
@@ -48,8 +50,7 @@ async def test_a_tokenizer_count_of_minus_100000_decides_nothing() -> None:
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from proxy.diagnosis.recorder import TokenizerQuery
-    from proxy.diagnosis.tokenizer_queue import TokenizerUnavailable
+    from proxy.servers.base import TokenizerQuery, TokenizerUnavailable
 
     async def tokenize(request: web.Request) -> web.Response:
         return web.json_response({"count": -100_000, "max_model_len": -5})
@@ -66,7 +67,7 @@ async def test_a_tokenizer_count_of_minus_100000_decides_nothing() -> None:
         async with aiohttp.ClientSession() as session:
             try:
                 await ServerTokenizer(session, str(server.make_url("")).rstrip("/")).count(
-                    query, ServerFacts("vllm", None, {}))
+                    query, ServerIdentity("vllm", None, {}))
             except TokenizerUnavailable as exc:
                 assert "without a count" in str(exc)
             else:

@@ -8,11 +8,11 @@ import pytest
 
 from proxy.diagnosis.prompt_rules import APPROXIMATE_SLACK, PromptCount, length_cause_from_prompt, prompt_truncation
 from proxy.record import RequestInfo, ResponseRecord
-from proxy.wire.server_facts import UNKNOWN_SERVER, ServerFacts, ServerInfo
+from proxy.servers.base import UNKNOWN_SERVER, ServerIdentity, ServerInfo
 
-OLLAMA = ServerFacts("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048)}, version="0.33.2")
-VLLM = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
-LLAMACPP = ServerFacts("llamacpp", ServerInfo("llama.cpp GET /props", 256, 4))
+OLLAMA = ServerIdentity("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048)}, version="0.33.2")
+VLLM = ServerIdentity("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
+LLAMACPP = ServerIdentity("llamacpp", ServerInfo("llama.cpp GET /props", 256, 4))
 
 
 def answered(dialect: str = "ollama", **fields: Any) -> ResponseRecord:
@@ -48,7 +48,7 @@ def test_the_requests_own_num_ctx_is_the_context_named() -> None:
 
 def test_ollama_0_30_0_counts_no_cached_tokens_so_its_count_proves_nothing() -> None:
     """ollama#16414: 0.30.0 left cache_n out of prompt_eval_count."""
-    found = prompt_truncation(answered(prompt_tokens=3), asked(900), ServerFacts("ollama", version="0.30.0"))
+    found = prompt_truncation(answered(prompt_tokens=3), asked(900), ServerIdentity("ollama", version="0.30.0"))
     assert found.truncated is None and found.detail is not None and "0.30.0" in found.detail
 
 
@@ -69,7 +69,7 @@ def test_no_count_from_ollama_says_so() -> None:
 
 
 def test_sglang_cuts_only_with_auto_truncate_and_its_count_shows_it() -> None:
-    sglang = ServerFacts("sglang")
+    sglang = ServerIdentity("sglang")
     record = answered("openai", route="/v1/chat/completions", prompt_tokens=10)
     assert prompt_truncation(record, asked(50), sglang).truncated is True
     assert prompt_truncation(record, asked(5), sglang).truncated is None

@@ -17,14 +17,14 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.diagnosis.prompt_rules import PromptCount
-from proxy.diagnosis.recorder import Recorder, TokenizerQuery
-from proxy.diagnosis.server_check import ServerCheck, ServerFactsProbe, ServerTokenizer
-from proxy.diagnosis.server_reads import read_server_facts
-from proxy.diagnosis.tokenizer_queue import QueueLimits, TokenizerUnavailable
+from proxy.diagnosis.recorder import Recorder
+from proxy.diagnosis.server_check import ServerCheck, ServerTokenizer
+from proxy.diagnosis.tokenizer_queue import QueueLimits
 from proxy.observers.hooks import Observer
 from proxy.record import ResponseRecord
 from proxy.serve.app import RunningProxy, start_proxy
-from proxy.wire.server_facts import ServerFacts, ServerInfo
+from proxy.servers.base import ServerIdentity, ServerInfo, TokenizerQuery, TokenizerUnavailable
+from proxy.servers.identity import IdentityPoller, read_identity
 from tests.support.proxies import ProxyFactory, proxy_config, record_for
 from tests.support.vllm_upstream import MODEL, FakeVllm
 
@@ -44,7 +44,7 @@ async def asking_proxy(make_proxy: ProxyFactory, upstream: FakeVllm, **overrides
     running = await make_proxy(upstream.url, upstream_metrics="vllm", upstream_metrics_interval_s=5.0, **overrides)
     assert running.check is not None
     for _ in range(300):
-        if running.check.facts.kind == "vllm":
+        if running.check.identity.kind == "vllm":
             return running
         await asyncio.sleep(0.01)
     raise AssertionError("the proxy never identified its upstream")
@@ -112,7 +112,7 @@ async def test_the_record_reaches_the_observers_once_with_its_final_cause(vllm: 
                                 extra_observers=(Watcher(),))
     try:
         assert running.check is not None
-        while running.check.facts.kind != "vllm":
+        while running.check.identity.kind != "vllm":
             await asyncio.sleep(0.01)
         await stream(running, "once", 200)
         await record_for(running, "once")
@@ -145,7 +145,7 @@ async def test_upstream_metrics_off_asks_the_server_nothing(vllm: FakeVllm, make
     await stream(running, "quiet", 200)
     record = await record_for(running, "quiet")
     assert record.length_cause == "unknown" and vllm.tokenize_calls == 0
-    assert running.check is not None and running.check.facts.kind == "unknown"
+    assert running.check is not None and running.check.identity.kind == "unknown"
 
 
 async def test_a_slow_tokenizer_never_delays_the_clients_bytes(vllm: FakeVllm, make_proxy: ProxyFactory) -> None:
@@ -188,7 +188,8 @@ class Tokenizer:
         self.calls = self.running = self.peak = 0
         self.started: list[float] = []
 
-    async def count(self, query: TokenizerQuery, facts: ServerFacts, authorization: str | None = None) -> PromptCount:
+    async def count(self, query: TokenizerQuery, identity: ServerIdentity,
+                    authorization: str | None = None) -> PromptCount:
         self.calls += 1
         self.started.append(time.monotonic())
         self.running += 1
@@ -202,10 +203,10 @@ class Tokenizer:
             self.running -= 1
 
 
-class KnownServer(ServerFactsProbe):
+class KnownServer(IdentityPoller):
     def __init__(self) -> None:
         self.enabled = False
-        self.facts = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
+        self.identity = ServerIdentity("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
 
     def saw_model(self, model: str | None) -> None:
         pass
@@ -336,7 +337,7 @@ async def test_what_server_it_is_and_the_context_it_gives(routes: dict[str, Any]
     server = await serve(routes)
     try:
         async with aiohttp.ClientSession() as session:
-            facts = await read_server_facts(session, str(server.make_url("")).rstrip("/"), ("m",))
+            facts = await read_identity(session, str(server.make_url("")).rstrip("/"), ("m",))
     finally:
         await server.close()
     info = facts.info_for("m")
@@ -357,7 +358,7 @@ async def test_a_llamacpp_router_is_asked_per_model_and_never_made_to_load_one()
         {"id": "b.gguf", "owned_by": "llamacpp", "status": {"value": "unloaded"}}]}})
     try:
         async with aiohttp.ClientSession() as session:
-            facts = await read_server_facts(session, str(server.make_url("")).rstrip("/"))
+            facts = await read_identity(session, str(server.make_url("")).rstrip("/"))
     finally:
         await server.close()
     assert facts.router and facts.kind == "llamacpp"
@@ -369,11 +370,11 @@ async def test_what_was_known_survives_a_server_that_stops_answering() -> None:
     server = await serve({"/v1/models": {"data": [{"id": "m", "owned_by": "vllm", "max_model_len": 512}]}})
     base = str(server.make_url("")).rstrip("/")
     async with aiohttp.ClientSession() as session:
-        probe = ServerFactsProbe(session, base)
-        assert (await probe.probe()).kind == "vllm"
+        poller = IdentityPoller(session, base)
+        assert (await poller.ask()).kind == "vllm"
         await server.close()
-        assert (await probe.probe()).kind == "unknown"
-        assert probe.facts.kind == "vllm"
+        assert (await poller.ask()).kind == "unknown"
+        assert poller.identity.kind == "vllm"
 
 
 async def test_a_connection_the_server_closed_under_a_count_is_tried_once_more() -> None:
@@ -397,7 +398,7 @@ async def test_a_connection_the_server_closed_under_a_count_is_tried_once_more()
         async with aiohttp.ClientSession() as session:
             tokenizer = ServerTokenizer(session, str(server.make_url("")).rstrip("/"))
             query = TokenizerQuery("openai", "/v1/chat/completions", "m", orjson.dumps({"messages": PROMPT}), 40, None)
-            count = await tokenizer.count(query, KnownServer().facts)
+            count = await tokenizer.count(query, KnownServer().identity)
     finally:
         await server.close()
     assert (count.tokens, count.context, calls) == (9, 512, 2)

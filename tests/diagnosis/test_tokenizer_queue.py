@@ -1,5 +1,5 @@
 """The queue of records that wait for the server's tokenizer: no record waits past its bound, a
-tokenizer that keeps failing is given up on (a breaker) until a probe call succeeds, the calls are
+tokenizer that keeps failing is given up on (a breaker) until a trial call succeeds, the calls are
 bounded for the whole proxy across worker processes, and a bug with one record costs that record
 only."""
 
@@ -11,13 +11,12 @@ import multiprocessing
 import time
 
 from proxy.diagnosis.prompt_rules import PromptCount
-from proxy.diagnosis.recorder import TokenizerQuery
-from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits, TokenizerQueue, TokenizerUnavailable
+from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits, TokenizerQueue
 from proxy.record import ResponseRecord
 from proxy.serve.shared import SharedState
-from proxy.wire.server_facts import ServerFacts, ServerInfo
+from proxy.servers.base import ServerIdentity, ServerInfo, TokenizerQuery, TokenizerUnavailable
 
-FACTS = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
+FACTS = ServerIdentity("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
 
 
 class Tokenizer:
@@ -28,7 +27,8 @@ class Tokenizer:
         self.started: list[float] = []
         self.running = self.peak = 0
 
-    async def count(self, query: TokenizerQuery, facts: ServerFacts, authorization: str | None = None) -> PromptCount:
+    async def count(self, query: TokenizerQuery, identity: ServerIdentity,
+                    authorization: str | None = None) -> PromptCount:
         self.started.append(time.monotonic())
         self.running += 1
         self.peak = max(self.peak, self.running)
@@ -92,11 +92,11 @@ async def test_after_failures_in_a_row_records_go_on_at_once_until_a_probe_succe
     assert len(delivered) == 6 and len(tokenizer.started) == calls
     assert all("failed 3 times in a row" in (r.length_cause_detail or "") for r in delivered[3:])
     assert results[3:] == ["breaker_open"] * 3
-    # After the retry period one record is the probe; the server answers again: closed.
+    # After the retry period one record is the trial; the server answers again: closed.
     await asyncio.sleep(0.35)
     tokenizer.failing = False
     queue.put(*pending(6))
-    queue.put(*pending(7))  # while the probe is out: at once
+    queue.put(*pending(7))  # while the trial is out: at once
     await until(lambda: len(delivered) == 8)
     assert not queue.breaker_open
     assert [r.request_id for r in delivered[6:]] == ["r7", "r6"] and delivered[-1].length_cause == "requested_budget"
@@ -116,12 +116,12 @@ async def test_the_calls_are_bounded_for_the_whole_proxy_across_workers() -> Non
     peak = [0]
 
     class Watched(Tokenizer):
-        async def count(self, query: TokenizerQuery, facts: ServerFacts,
+        async def count(self, query: TokenizerQuery, identity: ServerIdentity,
                         authorization: str | None = None) -> PromptCount:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
             try:
-                return await super().count(query, facts, authorization)
+                return await super().count(query, identity, authorization)
             finally:
                 running[0] -= 1
 

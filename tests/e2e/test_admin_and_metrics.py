@@ -283,13 +283,13 @@ async def test_a_streamed_answer_is_finished_with_the_batch_into_the_record_it_m
     """The relay finishes a streamed answer that holds little with the batch (`Delivery.later`):
     its record is the one finishing at once makes. A request body past DEFERRED_MAX_BYTES is
     finished at once (what waits is bounded)."""
-    from proxy.relay import forward
+    from proxy.diagnosis import finish
 
     proxy = await make_proxy(upstream.url)
-    big = {**CHAT, "messages": [{"role": "user", "content": "x" * forward.DEFERRED_MAX_BYTES}]}
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * finish.DEFERRED_MAX_BYTES}]}
     finished: dict[str, dict[str, object]] = {}
-    for name, deferred_max in (("now", -1), ("batch", forward.DEFERRED_MAX_BYTES)):
-        monkeypatch.setattr(forward, "DEFERRED_MAX_BYTES", deferred_max)
+    for name, deferred_max in (("now", -1), ("batch", finish.DEFERRED_MAX_BYTES)):
+        monkeypatch.setattr(finish, "DEFERRED_MAX_BYTES", deferred_max)
         for kind, body in (("small", CHAT), ("big", big)):
             upstream.push(Script(openai_stream(40, "length"), delay=0.001))
             async with client.post(proxy.proxy_url + CHAT_URL, json=body,

@@ -43,7 +43,7 @@ async def ollama_proxy(make_proxy: ProxyFactory, fake: FakeOllama) -> RunningPro
     running = await make_proxy(fake.url, upstream_metrics="ollama", upstream_metrics_interval_s=0.2)
     assert running.check is not None
     for _ in range(200):
-        if running.check.facts.kind == "ollama":
+        if running.check.identity.kind == "ollama":
             return running
         await asyncio.sleep(0.01)
     raise AssertionError("the proxy never identified the fake as Ollama")

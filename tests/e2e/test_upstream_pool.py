@@ -147,11 +147,11 @@ async def test_a_pooled_connection_the_server_went_quiet_on_too_long_ago_is_not_
     # The pool holds connections 3 s; here the server is taken to drop them after 0.2 s of
     # quiet. The pool's own clock (released 0.4 s ago) would hand the connection out again.
     monkeypatch.setattr(upstream_client, "POOLED_IDLE_S", 0.2)
-    stale = upstream_client.UpstreamPool.stale_closed
+    stale = proxy.forwarder.pool.stale_closed
     await asyncio.sleep(0.4)
     assert await post(client, proxy.proxy_url, "quiet-2") == (200, ANSWER)
     assert keepalive.connections == 2
-    assert upstream_client.UpstreamPool.stale_closed == stale + 1
+    assert proxy.forwarder.pool.stale_closed == stale + 1
 
 
 def test_the_kernel_dates_the_last_byte_a_connection_received() -> None:

@@ -73,7 +73,7 @@ async def test_a_chunked_body_is_held_past_the_parser_and_handed_over_as_it_came
     reads = taken(connection)
     connection.data_received(b"more")
     assert reads == [(b"5\r\nhello\r\n0\r\nX-Sum: 42\r\n\r\n", False), (b"more", False)]
-    connection.body_ended(extra=True)
+    connection.body_read_whole(extra=True)
     assert payload.is_eof() and connection.should_close and not connection.raw_body
 
 
@@ -89,7 +89,7 @@ async def test_while_a_body_is_taken_the_transport_reads_straight_into_the_taker
     taking.pause_writing()  # the request's flow control stays the connection's
     assert connection.writing_paused
     taking.resume_writing()
-    connection.body_ended(extra=False)
+    connection.body_read_whole(extra=False)
     assert transport.get_protocol() is connection and reads == [(b"3\r\nabc\r\n", False)]
     await answered(connection)
     reads = taken(connection)

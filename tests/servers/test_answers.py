@@ -15,14 +15,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.diagnosis.recorder import TokenizerQuery
 from proxy.diagnosis.server_check import ServerTokenizer
-from proxy.diagnosis.server_reads import read_server_facts
 from proxy.observers.metrics import ProxyMetrics
 from proxy.observers.telemetry.samples import SampleRing
 from proxy.observers.telemetry.server_metrics import UpstreamPoller, UpstreamState
 from proxy.servers.answers import AnswerTooLarge, read_whole
-from proxy.wire.server_facts import ServerFacts, ServerInfo
+from proxy.servers.base import ServerIdentity, ServerInfo, TokenizerQuery
+from proxy.servers.identity import read_identity
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 PIECES = 3
@@ -83,7 +82,7 @@ async def test_a_tokenizer_answer_in_pieces_decides(server: tuple[web.Applicatio
     answer = orjson.dumps({"count": 480, "max_model_len": 512, "tokens": list(range(480))})
     app.router.add_post("/tokenize", in_pieces(answer, declared=False))
     url = await start(app, started)
-    facts = ServerFacts("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
+    facts = ServerIdentity("vllm", None, {"m": ServerInfo("vLLM GET /v1/models", 512)})
     query = TokenizerQuery("openai", "/v1/chat/completions", "m",
                            orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}), 40, None)
     async with aiohttp.ClientSession() as session:
@@ -99,7 +98,7 @@ async def test_a_model_listing_in_pieces_identifies_the_server(
     app.router.add_get("/v1/models", in_pieces(listing, declared=False))
     url = await start(app, started)
     async with aiohttp.ClientSession() as session:
-        facts = await read_server_facts(session, url)
+        facts = await read_identity(session, url)
     assert facts.kind == "vllm" and facts.by_model["model-3"].context_per_request == 4096
 
 

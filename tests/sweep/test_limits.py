@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from proxy.record import ResponseRecord
+from proxy.servers.base import ServerInfo
+from proxy.servers.llamacpp import info_from_props as from_llamacpp_props
+from proxy.servers.ollama import loaded_contexts
+from proxy.servers.vllm import context_in_listing as from_vllm_models
 from proxy.sweep.limits import characterise
-from proxy.wire.server_facts import ServerInfo, from_llamacpp_props, from_ollama_ps, from_vllm_models
+
+
+def from_ollama_ps(body: object, model: str) -> ServerInfo | None:
+    found = loaded_contexts(body)
+    return found.get(model) or next(iter(found.values()), None)
 
 
 def cut(prompt: int, output: int) -> ResponseRecord:

@@ -173,8 +173,8 @@ def test_a_budget_spent_on_reasoning_is_named_in_the_verdict() -> None:
 
 
 def test_answers_past_the_servers_context_are_named_a_context_shift() -> None:
+    from proxy.servers.base import ServerInfo
     from proxy.sweep.stats import by_level, summarize
-    from proxy.wire.server_facts import ServerInfo
     from tests.support.sweep_samples import level
 
     samples = level(1, 3, prompt_tokens=200, tokens=100) + level(4, 6, prompt_tokens=200, tokens=100)

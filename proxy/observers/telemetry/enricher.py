@@ -46,7 +46,7 @@ class TelemetryEnricher:
         self.upstream_max_age = max_age_for(upstream_interval_s)
         self.upstream_pids = upstream_pids
 
-    def facts_for(self, record: ResponseRecord) -> ServerDuring | None:
+    def during(self, record: ResponseRecord) -> ServerDuring | None:
         t0 = record.started_at
         t1 = t0 + max(record.duration_s, 0.0)
         facts: ServerDuring = self._gpu(t0, t1) if self.gpu_ring is not None else {}

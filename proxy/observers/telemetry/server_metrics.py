@@ -22,60 +22,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observers.metrics import ProcessMetrics
 from proxy.observers.telemetry.samples import SampleRing
+from proxy.servers import SERVERS, server_of
 from proxy.servers.answers import AnswerTooLarge, read_whole
-from proxy.wire.server_facts import is_llamacpp_router, router_loaded_models
+from proxy.servers.base import MetricNames, TelemetryRead
+from proxy.servers.llamacpp import SERVER as LLAMACPP
+from proxy.servers.llamacpp import is_router, loaded_models
+from proxy.servers.ollama import SERVER as OLLAMA
+from proxy.servers.vllm import SERVER as VLLM
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
+OLLAMA_KIND = OLLAMA.kind  # the source label of a list of loaded models
+VLLM_KIND = VLLM.kind  # the label said of a metrics page not read yet
 
-Kind = Literal["metrics", "ollama"]
 MAX_BODY_BYTES = 16 * 1024 * 1024
 ROUTER_MODELS_MAX = 8  # models of a llama.cpp router whose /metrics are read each poll
 
 
-@dataclass(frozen=True, slots=True)
-class MetricNames:
-    """Where one server family keeps the figures we read; the first name present wins."""
-
-    running: tuple[str, ...]
-    waiting: tuple[str, ...]
-    kv_cache_usage: tuple[str, ...]
-    preemptions: tuple[str, ...]
-    request_preemptions: tuple[str, ...] = ()  # a per-request histogram's sum: preemptions of finished requests
-    requests_finished: tuple[str, ...] = ()  # and its count: the requests finished
-
-
-# vLLM: v0 engine in vllm/engine/metrics.py, V1 in vllm/v1/metrics/loggers.py. V1 renamed
-# gpu_cache_usage_perc to kv_cache_usage_perc (0.9, old name deprecated); the preemption
-# Counter is `vllm:num_preemptions_total` (v0) / `vllm:num_preemptions` (V1), and
-# prometheus_client exposes both as the sample `vllm:num_preemptions_total`.
-# vLLM V1 also keeps `vllm:request_num_preemptions`, a histogram observed once per finished request
-# with its own preemption count (vllm/v1/metrics/loggers.py): its sum and count are read.
-# SGLang: python/sglang/srt/observability/metrics_collector.py (formerly srt/metrics/collector.py);
-# it retracts (preempts) requests under memory pressure and counts them in
-# `sglang:num_retracted_requests_total`. llama.cpp: tools/server (`--metrics`); recent builds
-# dropped `kv_cache_usage_ratio`, so it may be absent.
-SERVER_FAMILIES: dict[str, MetricNames] = {
-    "vllm": MetricNames(
-        running=("vllm:num_requests_running",),
-        waiting=("vllm:num_requests_waiting",),
-        kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-        preemptions=("vllm:num_preemptions_total", "vllm:num_preemptions"),
-        request_preemptions=("vllm:request_num_preemptions_sum",),
-        requests_finished=("vllm:request_num_preemptions_count",),
-    ),
-    "sglang": MetricNames(
-        running=("sglang:num_running_reqs",),
-        waiting=("sglang:num_queue_reqs",),
-        kv_cache_usage=("sglang:token_usage",),
-        preemptions=("sglang:num_retracted_requests_total",),
-    ),
-    "llamacpp": MetricNames(
-        running=("llamacpp:requests_processing",),
-        waiting=("llamacpp:requests_deferred",),
-        kv_cache_usage=("llamacpp:kv_cache_usage_ratio",),
-        preemptions=(),
-    ),
-}
+# Each server's metric names are in its own module (proxy.servers): vLLM, SGLang, llama.cpp.
+SERVER_FAMILIES: dict[str, MetricNames] = {server.kind: server.metric_names for server in SERVERS
+                                           if server.metric_names is not None}
 _WANTED = frozenset(name for names in SERVER_FAMILIES.values()
                     for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions,
                                   names.request_preemptions, names.requests_finished)
@@ -100,7 +65,7 @@ class UpstreamState:
     usage is the maximum, since an engine that is full is what queues requests.
     """
 
-    source: str  # vllm | sglang | llamacpp | ollama
+    source: str  # the server kind that said it: vllm | sglang | llamacpp | ollama
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
@@ -108,6 +73,7 @@ class UpstreamState:
     request_preemptions_total: float | None = None  # preemptions counted by the requests that finished
     requests_finished_total: float | None = None
     models: tuple[LoadedModel, ...] = ()
+    lists_models: bool = False  # a list of loaded models (Ollama's /api/ps), not a metrics page
 
 
 def _sample_lines(text: str) -> str:
@@ -198,7 +164,7 @@ def parse_ollama_ps(body: bytes) -> UpstreamState:
         if not isinstance(name, str) or size is None or vram is None:
             raise ValueError("a 'models' entry lacks name, size or size_vram")
         models.append(LoadedModel(name, size, vram, _int(item.get("context_length"))))
-    return UpstreamState(source="ollama", models=tuple(models))
+    return UpstreamState(source=OLLAMA_KIND, lists_models=True, models=tuple(models))
 
 
 class UpstreamSeries:
@@ -219,7 +185,7 @@ class UpstreamSeries:
         exported.kv_cache_usage, exported.preemptions = state.kv_cache_usage, state.preemptions_total
         exported.request_preemptions = state.request_preemptions_total
         exported.requests_finished = state.requests_finished_total
-        if state.source == "ollama":
+        if state.lists_models:
             exported.models_loaded = len(state.models)
             self._set_models(state.models)
         else:
@@ -282,7 +248,7 @@ class UpstreamPoller:
         self.session = session
         self.clock = clock
         self.series = UpstreamSeries(metrics)
-        self.kind: Kind | None = "metrics" if mode == "vllm" else "ollama" if mode == "ollama" else None
+        self.kind: TelemetryRead | None = None if mode == "auto" else server_of(mode).telemetry_read
         self.router: bool | None = None  # llama.cpp's router: /metrics per loaded model (None: not known)
         self._logged: set[str] = set()
         self._failures = 0
@@ -322,7 +288,7 @@ class UpstreamPoller:
             props = orjson.loads(await self._get("/props"))
         except (UpstreamFetchError, orjson.JSONDecodeError):
             return False
-        return is_llamacpp_router(props)
+        return is_router(props)
 
     async def _router_state(self) -> UpstreamState:
         """A llama.cpp router's state: each loaded model's own `/metrics?model=` (`autoload=false`, so
@@ -332,12 +298,12 @@ class UpstreamPoller:
         except orjson.JSONDecodeError:
             raise UpstreamFetchError("parse", "/v1/models of the llama.cpp router is not JSON") from None
         states = [await self._metrics(f"/metrics?model={quote(name, safe='')}&autoload=false")
-                  for name in router_loaded_models(listing)[:ROUTER_MODELS_MAX]]
-        return combined(states, "llamacpp")
+                  for name in loaded_models(listing)[:ROUTER_MODELS_MAX]]
+        return combined(states, LLAMACPP.kind)
 
-    async def fetch(self, kind: Kind) -> UpstreamState:
+    async def fetch(self, kind: TelemetryRead) -> UpstreamState:
         """One read of the upstream's state; raises UpstreamFetchError."""
-        if kind == "metrics":
+        if kind == "metrics_text":
             if self.router:
                 return await self._router_state()
             try:
@@ -355,10 +321,10 @@ class UpstreamPoller:
         except ValueError as exc:
             raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
 
-    async def detect(self) -> Kind | None:
+    async def detect(self) -> TelemetryRead | None:
         """Which of the two the upstream serves: /metrics first (vLLM names), then /api/ps."""
         reasons = []
-        kinds: tuple[Kind, ...] = ("metrics", "ollama")
+        kinds: tuple[TelemetryRead, ...] = ("metrics_text", "loaded_models")
         for kind in kinds:
             try:
                 state = await self.fetch(kind)
@@ -398,7 +364,7 @@ class UpstreamPoller:
             self._mismatches = self._mismatches + 1 if exc.kind in _MISMATCH_KINDS else 0
             self._up = False
             self.series.unknown()
-            self.series.up("ollama" if self.kind == "ollama" else self._metrics_source(), 0)
+            self.series.up(OLLAMA_KIND if self.kind == "loaded_models" else self._metrics_source(), 0)
             if exc.kind not in self._logged:
                 self._logged.add(exc.kind)
                 _log.warning("upstream_telemetry_error", upstream=self.upstream, error=exc.kind,
@@ -412,9 +378,9 @@ class UpstreamPoller:
 
     def _metrics_source(self) -> str:
         latest = self.ring.latest()
-        if latest is not None and latest[1].source != "ollama":
+        if latest is not None and not latest[1].lists_models:
             return latest[1].source
-        return "vllm"
+        return VLLM_KIND
 
     async def run(self) -> None:
         self.series.unknown()

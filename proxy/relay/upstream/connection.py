@@ -19,6 +19,7 @@ import select
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable
+from enum import Enum
 from typing import Any, Protocol
 
 from aiohttp.client_exceptions import ClientOSError
@@ -112,13 +113,23 @@ class _TakenReads:
         self._connection.resume_writing()
 
 
+class ConnectionState(Enum):
+    """Where a connection is in its life, as its pool sees it (httpcore's HTTPConnectionState)."""
+
+    TAKEN = "taken"  # handed out for a request that is about to be written (a new one starts here)
+    ACTIVE = "active"  # its request written, its answer being read
+    IDLE = "idle"  # its answer ended: in the pool, for the next request once settled
+    CLOSED = "closed"  # closed by either side: never used again
+
+
 class Connection(ResponseHandler):
-    """aiohttp's response protocol, with the state of its connection: the socket (for the liveness
-    look), which kind of answer its parser reads, the bytes of the current answer, and when it was
-    released and may carry the next request."""
+    """aiohttp's response protocol, with the state of its connection (`state`): the socket (for the
+    liveness look), which kind of answer its parser reads, the bytes of the current answer, and
+    when it was released and may carry the next request."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
+        self.state = ConnectionState.TAKEN
         self.sock: Any = None
         self.parses_head: bool | None = None  # None: no parser yet
         self.received = 0  # bytes of the current answer that have come: a request is sent again only at 0
@@ -195,6 +206,7 @@ class Connection(ResponseHandler):
             self._parse(rest)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self.state = ConnectionState.CLOSED
         super().connection_lost(exc)
         on_data = self.on_data
         if on_data is not None:
@@ -248,7 +260,7 @@ class Connection(ResponseHandler):
         if self.transport is not None and not self._reading_paused:
             self.transport.resume_reading()
 
-    def body_ended(self, extra: bool) -> None:
+    def body_read_whole(self, extra: bool) -> None:
         """The relay read the chunked body to its end (`extra`: bytes followed it, so the connection
         carries nothing more). The parser, left inside a body it never saw, is made anew; the
         answer's body reader ends, which gives the connection back to its pool."""
@@ -278,6 +290,7 @@ class Connection(ResponseHandler):
         """Ready the parser for the answer to the request about to be written. aiohttp makes a
         new parser per request; llhttp reads one answer after another on a keep-alive
         connection, so one is made again only when the kind of answer changes."""
+        self.state = ConnectionState.ACTIVE
         self.received = 0
         self.streamed = False
         self._last = (b"", b"")
@@ -293,9 +306,23 @@ class Connection(ResponseHandler):
                                  read_bufsize=READ_BUFSIZE)
 
     # --- the pool's questions ------------------------------------------------------------------
+    def close(self) -> None:
+        self.state = ConnectionState.CLOSED
+        super().close()
+
+    def taken(self) -> None:
+        """Handed out by the pool for the next request."""
+        self.state = ConnectionState.TAKEN
+
     def released(self, now: float) -> None:
-        """Its answer ended at `now`."""
+        """Its answer ended at `now`: idle, in the pool."""
+        self.state = ConnectionState.IDLE
         self.released_at = now
+
+    @property
+    def can_carry_another(self) -> bool:
+        """Its answer ended cleanly and the server keeps it open: it may go back to the pool."""
+        return self.state is not ConnectionState.CLOSED and not self.should_close and self.is_connected()
 
     def is_settled(self, now: float) -> bool:
         """Past the rest after a stream (SETTLE_S from its release; none after an answer with a
@@ -305,7 +332,8 @@ class Connection(ResponseHandler):
 
     def has_expired(self, now: float, max_idle_s: float) -> bool:
         """Closed, or idle past `max_idle_s` by the pool's clock: to be closed (no syscall)."""
-        return not self.is_connected() or now - self.released_at > max_idle_s
+        return (self.state is ConnectionState.CLOSED or not self.is_connected()
+                or now - self.released_at > max_idle_s)
 
     def is_available(self, now: float, max_idle_s: float) -> bool:
         """Settled, open, and neither closed by the server nor quiet past `max_idle_s` by the kernel.
@@ -314,8 +342,8 @@ class Connection(ResponseHandler):
         reset, or bytes that belong to no request. One poll(2) with no wait, on its own descriptor.
         """
         sock = self.sock
-        if (sock is None or self.should_close or not self.is_settled(now)  # (should_close: bytes of no request)
-                or self.has_expired(now, max_idle_s)):
+        if (self.state is not ConnectionState.IDLE or sock is None or self.should_close  # (bytes of no request)
+                or not self.is_settled(now) or self.has_expired(now, max_idle_s)):
             return False
         quiet = quiet_for(sock)
         return (quiet is None or quiet <= max_idle_s) and not readable(sock.fileno())

@@ -109,9 +109,8 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to the one upstream, oldest first; see the module's docstring."""
 
-    stale_closed = 0  # pooled connections found closed, or quiet too long, process-wide
-
     def __init__(self, base: str, connect_timeout_s: float | None) -> None:
+        self.stale_closed = 0  # pooled connections found closed, or quiet too long
         parts = urlsplit(base)
         url = URL(base)
         self.host = url.raw_host or ""
@@ -221,8 +220,9 @@ class UpstreamPool:
                 continue
             if protocol.is_available(now, POOLED_IDLE_S):
                 taken = protocol
+                taken.taken()
                 break
-            UpstreamPool.stale_closed += 1
+            self.stale_closed += 1
             protocol.close()
         if resting:  # back at the head of the pool, in their order
             idle.extendleft(reversed(resting))
@@ -238,7 +238,7 @@ class UpstreamPool:
 
     def release(self, protocol: Connection) -> None:
         """A connection whose answer has ended: to the pool, or closed when it cannot carry another."""
-        if self._closed or protocol.should_close or not protocol.is_connected():
+        if self._closed or not protocol.can_carry_another:
             self.drop(protocol)
             return
         protocol.released(time.monotonic())

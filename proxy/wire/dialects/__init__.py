@@ -39,3 +39,15 @@ def route_of(path: str) -> tuple[str, Dialect | None]:
 def dialect_named(name: str) -> Dialect:
     """The dialect called `name` (KeyError for an unknown one)."""
     return _BY_NAME[name]
+
+
+def provider_of(name: str) -> str:
+    """The GenAI provider a dialect's requests go to (`gen_ai.provider.name`); the name itself for one not known."""
+    dialect = _BY_NAME.get(name)
+    return (dialect.provider or dialect.name) if dialect is not None else name
+
+
+def sweep_dialect_of(name: str | None) -> str:
+    """The dialect a sweep repeats requests of dialect `name` in (`openai` for one not known)."""
+    dialect = _BY_NAME.get(name or "")
+    return (dialect.sweep_dialect or dialect.name) if dialect is not None else "openai"

@@ -28,7 +28,10 @@ class Dialect:
       value's opening quote (`b'"content":"'`), whose string is the text of a streamed event that
       `events` reads as one visible (or reasoning) token; the shape of such an event is learned
       per response and later events in that shape are counted without decoding.
-    - `streams_by_default`: what `stream` means when the request leaves it out.
+    - `streams_by_default`: what `stream` means when the request leaves it out;
+    - `provider`: the provider OpenTelemetry's GenAI conventions name for it (`gen_ai.provider.name`);
+    - `sweep_dialect`: the dialect a sweep repeats its requests in (llama.cpp's `/completion` is swept
+      through its OpenAI route).
     """
 
     name: str
@@ -38,6 +41,8 @@ class Dialect:
     token_keys: tuple[bytes, ...] = ()
     reasoning_keys: tuple[bytes, ...] = ()
     streams_by_default: bool = False
+    provider: str = ""  # (empty: the dialect's own name)
+    sweep_dialect: str = ""  # (empty: the dialect's own name)
 
 
 # The integers a record may hold whichever parser read them: orjson (a body under its size) turns

@@ -61,4 +61,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 
 DIALECT = Dialect(name="llamacpp", routes=ROUTES, read_request=read_request, events=events,
-                  token_keys=(b'"content":"',))
+                  token_keys=(b'"content":"',), provider="llama.cpp", sweep_dialect="openai")

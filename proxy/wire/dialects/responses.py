@@ -103,4 +103,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 
 DIALECT = Dialect(name="responses", routes=ROUTES, read_request=read_request, events=events,
-                  token_keys=(b'"delta":"',), reasoning_keys=(b'"delta":"',))
+                  token_keys=(b'"delta":"',), reasoning_keys=(b'"delta":"',), provider="openai")

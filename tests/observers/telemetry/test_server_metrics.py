@@ -175,7 +175,7 @@ async def test_auto_detects_vllm_from_its_metrics_and_reexports_its_state(
     metrics = ProxyMetrics()
     poller = poller_for(fake_upstream.url, session, metrics=metrics)
     with capture_logs() as logs:
-        assert await poller.detect() == "metrics"
+        assert await poller.detect() == "metrics_text"
     assert [e["event"] for e in logs] == ["upstream_telemetry_detected"] and logs[0]["source"] == "vllm"
     assert gauge(metrics, "llm_proxy_upstream_requests_running") == 9
     assert gauge(metrics, "llm_proxy_upstream_requests_waiting") == 2
@@ -195,7 +195,7 @@ async def test_auto_detects_ollama_from_api_ps_and_keeps_model_vram_series_bound
     fake_upstream.routes["/api/ps"] = (200, OLLAMA_OLD)
     metrics = ProxyMetrics(max_models=1)
     poller = poller_for(fake_upstream.url, session, metrics=metrics)
-    assert await poller.detect() == "ollama"
+    assert await poller.detect() == "loaded_models"
     assert gauge(metrics, "llm_proxy_upstream_models_loaded") == 2
     # max_models=1: only the model holding the most VRAM gets a series
     assert gauge(metrics, "llm_proxy_upstream_model_vram_bytes", model="qwen2.5:32b") == 17179869184
@@ -253,14 +253,14 @@ async def test_auto_redetects_after_repeated_failures(
         fake_upstream: FakeUpstream, session: aiohttp.ClientSession) -> None:
     fake_upstream.routes["/metrics"] = (200, VLLM_V0.encode())
     poller = poller_for(fake_upstream.url, session, redetect_after=2)
-    assert await poller.detect() == "metrics"
+    assert await poller.detect() == "metrics_text"
     del fake_upstream.routes["/metrics"]
     fake_upstream.routes["/api/ps"] = (200, OLLAMA_NEW)  # another server on the same port
     assert not await poller.poll_once()
-    assert poller.kind == "metrics"
+    assert poller.kind == "metrics_text"
     assert not await poller.poll_once()
     assert poller.kind is None
-    assert await poller.detect() == "ollama"
+    assert await poller.detect() == "loaded_models"
 
 
 async def test_malformed_metrics_is_a_parse_error_logged_once(
@@ -299,7 +299,7 @@ async def test_a_restarted_server_is_read_again_within_one_poll_interval(session
             await asyncio.sleep(0.01)
         await first.server.close()
         await asyncio.sleep(10 * interval)  # many failed polls: connection refused
-        assert poller.kind == "metrics"  # a restart is the same server: no re-detection needed
+        assert poller.kind == "metrics_text"  # a restart is the same server: no re-detection needed
         seen = len(ring)
         second = FakeUpstream()
         second.routes["/metrics"] = (200, VLLM_V0.encode())

@@ -29,7 +29,7 @@ async def probing_proxy(upstream: str) -> RunningProxy:
                                             upstream_metrics="auto", log_records=False))
     assert running.check is not None
     for _ in range(500):
-        if running.check.facts.kind == "llamacpp":
+        if running.check.identity.kind == "llamacpp":
             return running
         await asyncio.sleep(0.01)
     await running.close()

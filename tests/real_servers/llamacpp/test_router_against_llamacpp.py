@@ -57,10 +57,10 @@ async def test_the_proxy_reads_a_routers_models_without_loading_one_and_their_st
     try:
         assert running.check is not None
         for _ in range(300):
-            if running.check.facts.kind == "llamacpp":
+            if running.check.identity.kind == "llamacpp":
                 break
             await asyncio.sleep(0.01)
-        assert running.check.facts.router
+        assert running.check.identity.router
         await asyncio.sleep(1.0)  # the poller has tried /metrics a few times
         assert await status(router) == "unloaded", "a read of the proxy's loaded a model"
         rid = "router-1"
@@ -70,9 +70,9 @@ async def test_the_proxy_reads_a_routers_models_without_loading_one_and_their_st
         record = await record_of(running, rid)
         assert (record["stop_reason"], record["length_cause"]) == ("length", "server_limit")
         # the next probe asks the router about the model the request named, and its slot is 512
-        running.check.probe.saw_model(MODEL)
+        running.check.saw_model(MODEL)
         for _ in range(300):
-            info = running.check.facts.info_for(MODEL)
+            info = running.check.identity.info_for(MODEL)
             if info is not None:
                 break
             await asyncio.sleep(0.02)

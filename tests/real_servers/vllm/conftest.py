@@ -75,8 +75,8 @@ async def proxy_for() -> AsyncIterator[Any]:
         started.append(running)
         # As a deployed proxy has long done: its first look at the server has answered (a request
         # that ends before it is classified without the server's facts, prompt_truncated None).
-        if running.check is not None and running.check.probe.enabled:
-            await asyncio.wait_for(running.check.probe.asked.wait(), 60)
+        if running.check is not None and running.check.identity_poller.enabled:
+            await asyncio.wait_for(running.check.identity_poller.asked.wait(), 60)
         return running
 
     yield start

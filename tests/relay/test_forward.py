@@ -1,0 +1,212 @@
+"""The exchange driven with bytes and no socket on either side (as httpcore's connection tests do):
+the client's request comes from aiohttp's mocked request over a mock transport, the upstream's
+answer is fed to a real upstream connection over another. What the relay must do whatever the
+diagnosis does: the bytes reach the client as they came, the request reaches the upstream with the
+proxy's request id, and the diagnosis hears of the exchange exactly twice, at its start and at its
+end, whatever way it ended."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.http import StreamWriter
+from aiohttp.streams import StreamReader
+from aiohttp.test_utils import make_mocked_request
+
+from proxy.config import ProxyConfig
+from proxy.diagnosis.recorder import Recorder
+from proxy.record import ResponseRecord
+from proxy.relay.forward import Forwarder
+from proxy.relay.in_flight import InFlightTracker
+from proxy.relay.upstream.connection import Connection, ConnectionState, UpstreamUnreachable
+from proxy.wire.parse_bytes import ParseBytes
+from tests.support.mock_transport import MockTransport
+from tests.support.wire import openai_stream
+
+CHAT = orjson.dumps({"model": "m", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+class Ends:
+    """The diagnosis's side, as the relay sees it: the calls it makes."""
+
+    def __init__(self) -> None:
+        self.started: list[ResponseRecord] = []
+        self.records: list[ResponseRecord] = []
+        self.authorization: list[str | None] = []
+
+    def started_(self, record: ResponseRecord) -> None:
+        self.started.append(record)
+
+    def ended(self, recorder: Recorder, authorization: str | None) -> None:
+        self.records.append(recorder.finish())
+        self.authorization.append(authorization)
+
+
+class Client:
+    """The client's side: its connection's transport, and what the relay wrote to it."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport = MockTransport()
+
+        async def drained() -> None:
+            return None
+
+        self.protocol = SimpleNamespace(transport=self.transport, writing_paused=False, ssl_context=None,
+                                        peername=("127.0.0.1", 50000), sockname=("127.0.0.1", 8080),
+                                        max_field_size=8190, max_line_length=8190, max_headers=128,
+                                        _drain_helper=drained, resume_reading=lambda resume_parser=True: None,
+                                        pause_reading=lambda: None)
+        self.writer = StreamWriter(self.protocol, loop)  # type: ignore[arg-type]
+
+    def request(self, body: bytes = CHAT, headers: dict[str, str] | None = None) -> Any:
+        payload = StreamReader(self.protocol, 1 << 16, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
+        payload.feed_data(body)
+        payload.feed_eof()
+        return make_mocked_request("POST", "/v1/chat/completions", writer=self.writer, protocol=self.protocol,
+                                   transport=self.transport, payload=payload,
+                                   headers={"Content-Type": "application/json", "Content-Length": str(len(body)),
+                                            **(headers or {})})
+
+    @property
+    def body(self) -> bytes:
+        """What reached the client after the head (the body as it was framed)."""
+        return bytes(self.transport.written).partition(b"\r\n\r\n")[2]
+
+
+def relay(connection_for: Callable[[], Any]) -> tuple[Forwarder, Ends]:
+    ends = Ends()
+    finisher: Any = SimpleNamespace(started=ends.started_, ended=ends.ended)
+    forwarder = Forwarder(ProxyConfig(upstream="http://upstream:8000"), finisher, InFlightTracker(),
+                          ParseBytes(1 << 20))
+    forwarder.pool._connection = connection_for  # type: ignore[method-assign]
+    return forwarder, ends
+
+
+def upstream_connection() -> tuple[Connection, MockTransport]:
+    connection = Connection(asyncio.get_running_loop())
+    transport = MockTransport()
+    transport.set_protocol(connection)
+    connection.connection_made(transport)
+    return connection, transport
+
+
+async def until(check: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("never")
+
+
+@pytest.fixture
+async def exchange() -> Any:
+    connection, transport = upstream_connection()
+
+    async def pooled() -> tuple[Connection, bool]:
+        return connection, False
+
+    forwarder, ends = relay(pooled)
+    return SimpleNamespace(forwarder=forwarder, ends=ends, upstream=connection, upstream_transport=transport,
+                           client=Client())
+
+
+async def test_a_stream_reaches_the_client_read_by_read_and_the_diagnosis_hears_start_and_end(exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request(headers={
+        "Authorization": "Bearer client-key"})))
+    await until(lambda: b"\r\n\r\n" in exchange.upstream_transport.written)
+    sent = bytes(exchange.upstream_transport.written)
+    assert sent.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and sent.endswith(CHAT)
+    record_id = exchange.ends.started[0].request_id
+    assert f"X-Request-Id: {record_id}".encode() in sent
+    chunks = [b"%x\r\n%s\r\n" % (len(event), event) for event in openai_stream(3)] + [b"0\r\n\r\n"]
+    exchange.upstream.data_received(SSE_HEAD)
+    for chunk in chunks:
+        exchange.upstream.data_received(chunk)
+    response = await asyncio.wait_for(handled, 2)
+    assert response.status == 200
+    assert exchange.client.body == b"".join(chunks)  # the chunks as they came, the last one too
+    head = bytes(exchange.client.transport.written).partition(b"\r\n\r\n")[0]
+    assert f"X-Request-Id: {record_id}".encode() in head and b"X-LLM-Diag-Concurrency: 1" in head
+    assert len(exchange.ends.started) == 1 and len(exchange.ends.records) == 1
+    (record,) = exchange.ends.records
+    assert (record.stop_reason, record.output_tokens, record.status) == ("eos", 3, 200)
+    assert exchange.ends.authorization == ["Bearer client-key"]  # for the server's tokenizer, where asked
+    assert exchange.upstream.state is ConnectionState.IDLE  # its answer ended: back in the pool
+
+
+async def test_a_body_of_known_length_is_relayed_whole(exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    answer = orjson.dumps({"id": "c", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 8}})
+    exchange.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                    % len(answer) + answer)
+    await asyncio.wait_for(handled, 2)
+    assert exchange.client.body == answer
+    (record,) = exchange.ends.records
+    assert (record.stop_reason, record.length_cause, record.output_tokens) == ("length", "requested_budget", 8)
+
+
+async def test_an_upstream_that_breaks_mid_stream_breaks_the_clients_connection_and_is_recorded(
+        exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.upstream.data_received(SSE_HEAD)
+    first = openai_stream(3)[1]
+    exchange.upstream.data_received(b"%x\r\n%s\r\n" % (len(first), first))
+    await until(lambda: first in exchange.client.transport.written)
+    exchange.upstream.connection_lost(ConnectionResetError("reset by peer"))
+    await asyncio.wait_for(handled, 2)
+    assert exchange.client.transport.closed  # no clean end: the client sees the break, as it happened
+    (record,) = exchange.ends.records
+    assert record.stop_reason == "upstream_disconnect" and record.upstream_error == "reset"
+    assert exchange.upstream.state is ConnectionState.CLOSED
+
+
+async def test_a_client_that_leaves_mid_stream_is_recorded_and_the_upstream_let_go(exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.upstream.data_received(SSE_HEAD)
+    first = openai_stream(3)[1]
+    exchange.upstream.data_received(b"%x\r\n%s\r\n" % (len(first), first))
+    await until(lambda: first in exchange.client.transport.written)
+    exchange.client.transport.closed = True  # the client's connection went away
+    exchange.upstream.data_received(b"%x\r\n%s\r\n" % (len(first), first))
+    await asyncio.wait_for(handled, 2)
+    (record,) = exchange.ends.records
+    assert record.client_disconnected and record.stop_reason == "client_disconnect"
+    assert exchange.upstream.state is not ConnectionState.IDLE  # not given back mid-answer
+
+
+async def test_an_upstream_that_cannot_be_reached_is_a_502_and_still_one_record() -> None:
+    async def unreachable() -> tuple[Connection, bool]:
+        raise UpstreamUnreachable(ConnectionRefusedError(111, "Connection refused"))
+
+    forwarder, ends = relay(unreachable)
+    client = Client()
+    response = await forwarder.handle(client.request())
+    assert response.status == 502
+    assert orjson.loads(response.body)["error"]["type"] == "upstream_unavailable"  # type: ignore[arg-type]
+    assert len(ends.started) == 1 and len(ends.records) == 1
+    assert ends.records[0].upstream_error == "connect"
+
+
+async def test_a_pooled_connection_says_its_state_to_its_pool() -> None:
+    connection, _ = upstream_connection()
+    assert connection.state is ConnectionState.TAKEN  # a new one is opened for a request
+    connection.expect_answer(head=False)
+    assert connection.state is ConnectionState.ACTIVE
+    connection.released(0.0)
+    assert connection.state is ConnectionState.IDLE
+    connection.taken()
+    assert connection.state is ConnectionState.TAKEN and not connection.is_available(1.0, 3.0)
+    connection.close()
+    assert connection.state is ConnectionState.CLOSED and not connection.can_carry_another
