@@ -461,7 +461,7 @@ async def test_vllms_own_metrics_pass_through_and_the_poller_reads_their_real_na
     ring: SampleRing[UpstreamState] = SampleRing(10)
     async with aiohttp.ClientSession() as session:
         poller = UpstreamPoller(running.proxy_url, "auto", 1.0, ProxyMetrics(), ring, session)
-        assert await poller.detect() == "metrics"
+        assert await poller.detect() == "metrics_text"
     latest = ring.latest()
     assert latest is not None
     state = latest[1]
