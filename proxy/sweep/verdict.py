@@ -1,16 +1,21 @@
 """The sweep's verdict: pure rules that say what changed with concurrency, with the numbers behind it.
 
-The lowest level is the baseline. Rules, first match wins:
-1. the completion rate falls with concurrency and a timeout or limit dominates the cut
+The lowest level is the baseline. Eight kinds (`VerdictKind`); rules, first match wins:
+1. fewer than two levels, or under two responses at the lowest -> `insufficient_data`;
+2. already at the lowest level most answers are cut -> `baseline_truncation` (the cause named, and
+   what more load adds to it, where it adds anything);
+3. the completion rate falls with concurrency and a timeout or limit dominates the cut
    responses (deadline, idle timeout, rejection, the client's own timeout) -> `policy`;
-2. the completion rate falls and another cause dominates (a server-side token limit, upstream
+4. the completion rate falls and another cause dominates (a server-side token limit, upstream
    errors or OOM, upstream disconnects) -> `serving_defect`;
-3. output length falls while stop reasons stay complete and durations cluster at one value
+5. output length falls while stop reasons stay complete and durations cluster at one value
    -> `hidden_cap` (inferred: a wall-clock cap returning partial text as complete);
    without the cluster -> `length_shift` (inferred, cause not shown);
-4. otherwise only latency moved -> `no_load_effect`, with the length difference and its interval.
+6. answers that still complete pass a deadline the proxy only observes -> `policy`;
+7. the answers end on their own at every level but their text differs from the baseline's one
+   text -> `batch_nondeterminism` (the batch shape, not truncation);
+8. otherwise only latency moved -> `no_load_effect`, with the length difference and its interval.
 """
-
 from __future__ import annotations
 
 from collections import Counter
