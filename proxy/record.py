@@ -112,6 +112,11 @@ class RequestInfo:
     has_prompt: bool = False  # the request carries messages or a prompt (a generation was asked for)
     user_turn: bool | None = None  # a chat with a user message in it (None: not a chat)
     prompt_words: int | None = None  # whitespace-separated words in the user's turns: a lower bound in tokens
+    # Every message's text, all roles (a server that renders every message, Ollama's templates):
+    all_words: int | None = None  # its words: a lower bound in tokens
+    all_bytes: int | None = None  # its UTF-8 bytes (None: a part the proxy cannot size, an image)
+    messages: int = 0  # messages in the chat (1 for a completion's prompt)
+    tools: bool = False  # the request offers tools (their definitions are rendered into the prompt)
     truncate_prompt_tokens: int | None = None  # vLLM's: the client asks to keep only the last N
     n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
     ignored: list[str] = field(default_factory=list)  # values out of range, left out (`name=value`)

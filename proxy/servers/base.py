@@ -37,6 +37,10 @@ class ServerInfo:
     source: str  # e.g. "llama.cpp GET /props"
     context_per_request: int | None
     slots: int | None = None
+    # What the server renders around the messages, where it says (Ollama's `/api/show`): the
+    # template's bytes and the model's own system prompt's, for an upper bound on a prompt's tokens.
+    template_bytes: int | None = None
+    system_bytes: int | None = None
 
     def describe(self) -> str:
         """`1,024 tokens per request over 4 slots (llama.cpp GET /props)`."""
@@ -103,7 +107,8 @@ def info_from_dict(value: Any) -> ServerInfo | None:
     if not isinstance(value, dict) or not isinstance(value.get("source"), str):
         return None
     return ServerInfo(value["source"][:80], positive_count(value.get("context_per_request")),
-                      positive_count(value.get("slots")))
+                      positive_count(value.get("slots")), as_count(value.get("template_bytes")),
+                      as_count(value.get("system_bytes")))
 
 
 def contexts_text(identity: ServerIdentity) -> dict[str, int | None]:
@@ -226,18 +231,56 @@ def context_of(record: ResponseRecord, info: RequestInfo, identity: ServerIdenti
     return identity.context_for(record.model)
 
 
-def cut_below_words(record: ResponseRecord, info: RequestInfo,
-                    identity: ServerIdentity) -> tuple[PromptFinding | None, str]:
-    """For a server that cuts a prompt silently and reports its count after the cut: a count below
-    the words of the user's own turns proves a cut (every word is at least one token). Returns the
-    finding when proven, else None and what was seen, in words."""
+# Around the messages' own bytes, a prompt holds the template's text (rendered at most once per message
+# and twice more: its head and its tail), the model's own system prompt, and the tokens a tokenizer
+# adds that are no text (a BOS, an EOS).
+TEMPLATE_RENDERS_BEYOND_MESSAGES = 2
+TOKENS_NOT_TEXT = 2
+
+
+def prompt_bounds(record: ResponseRecord, info: RequestInfo, identity: ServerIdentity) -> tuple[int | None, int | None]:
+    """(at least, at most) the prompt's tokens before any cut, where the request says them.
+
+    At least its words: every message's text is rendered, and each word is at least one token. At
+    most its bytes: a token is at least one byte of the rendered text, which is the messages' bytes,
+    the template's text and the model's own system prompt, where the server says them (Ollama's
+    `/api/show`); unknown with tools (their definitions are rendered in a form the proxy does not
+    size), an image, or a template the server does not show."""
+    lower = info.all_words if info.all_words is not None else info.prompt_words  # (the user's turns: a part)
+    server = identity.info_for(record.model)
+    upper = None
+    if (info.all_bytes is not None and not info.tools and server is not None and server.template_bytes is not None):
+        upper = (info.all_bytes + (server.system_bytes or 0) + TOKENS_NOT_TEXT
+                 + (info.messages + TEMPLATE_RENDERS_BEYOND_MESSAGES) * server.template_bytes)
+    return lower, upper
+
+
+def silent_cut(record: ResponseRecord, info: RequestInfo, identity: ServerIdentity, name: str,
+               how: str) -> PromptFinding:
+    """For a server that cuts a prompt silently and reports its count after the cut (`name` says
+    which, `how` when it cuts): decided by sound bounds, never by a guess.
+
+    - A count below the prompt's lower bound proves a cut; so does a lower bound above the context
+      the request gets (the server answered, so it cut).
+    - An upper bound within the context proves there was none.
+    - Between them it stays open, with both bounds said."""
     counted = record.prompt_tokens if record.prompt_tokens_source == "usage" else None
-    words = info.prompt_words
+    lower, upper = prompt_bounds(record, info, identity)
     context = context_of(record, info, identity)
     within = f" (context {context:,} tokens)" if context else ""
-    if counted is not None and words is not None and counted < words:
-        return PromptFinding(True, f"the server evaluated {counted:,} prompt tokens{within}, while the user's turns "
-                                   f"alone hold {words:,} words, each at least one token: it cut the prompt"), ""
-    seen = (f": it reported {counted:,} prompt tokens{within}, not fewer than the {words:,} words of the user's "
-            "turns" if counted is not None and words is not None else ": it reported no prompt count")
-    return None, seen
+    if counted is not None and lower is not None and counted < lower:
+        return PromptFinding(True, f"{name} evaluated {counted:,} prompt tokens{within}, while the messages hold "
+                                   f"{lower:,} words, each at least one token: it cut the prompt")
+    if lower is not None and context and lower > context:
+        return PromptFinding(True, f"the messages hold {lower:,} words, each at least one token, more than the "
+                                   f"{context:,} tokens a request gets, and {name} answered: it cut the prompt")
+    if upper is not None and context and upper <= context:
+        return PromptFinding(False, f"the prompt is at most {upper:,} tokens (its {info.all_bytes:,} bytes, the "
+                                    "model's template and system prompt as the server shows them, a token at least "
+                                    f"a byte), within the {context:,} tokens a request gets: nothing was cut")
+    said = [f"at least {lower:,} tokens (its words)" if lower is not None else "no lower bound",
+            f"at most {upper:,} (its bytes, template and system prompt)" if upper is not None
+            else "no upper bound (tools, an image, or a template the server does not show)",
+            f"the context {context:,}" if context else "no context known"]
+    said.append(f"{name} counted {counted:,}" if counted is not None else f"{name} reported no prompt count")
+    return PromptFinding(None, f"{how}; the prompt is between the bounds: " + ", ".join(said))

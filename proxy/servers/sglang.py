@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from proxy.record import RequestInfo, ResponseRecord
-from proxy.servers.base import MetricNames, PromptFinding, Server, ServerAnswers, ServerIdentity, cut_below_words
+from proxy.servers.base import MetricNames, PromptFinding, Server, ServerAnswers, ServerIdentity, silent_cut
 from proxy.servers.vllm import model_contexts, models_owner
 
 
@@ -36,11 +36,7 @@ class SGLang(Server):
         return ServerIdentity("sglang", None, model_contexts(listing, "SGLang GET /v1/models"))
 
     def prompt_truncation(self, record: ResponseRecord, info: RequestInfo, identity: ServerIdentity) -> PromptFinding:
-        proven, seen = cut_below_words(record, info, identity)
-        if proven is not None:
-            return proven
-        return PromptFinding(None, "SGLang cuts a prompt only with --allow-auto-truncate, which it does not "
-                                   f"report{seen}")
-
+        return silent_cut(record, info, identity, "SGLang", "SGLang cuts a prompt only with --allow-auto-truncate, "
+                          "which it does not report")
 
 SERVER = SGLang()

@@ -176,3 +176,42 @@ def test_llamacpp_a_budget_that_ends_before_the_slots_context_was_the_cause() ->
 def test_no_context_or_no_rule_decides_nothing() -> None:
     assert length_cause_from_prompt("vllm", PromptCount(8, None, "t"), 200)[0] == "unknown"
     assert length_cause_from_prompt("ollama", PromptCount(8, 512, "t"), 200)[0] == "unknown"
+
+
+# --- Ollama's silent cut, by sound bounds ----------------------------------------------------------
+SHOWN = ServerIdentity("ollama", None, {"m": ServerInfo("Ollama GET /api/ps", 2048, template_bytes=300,
+                                                        system_bytes=0)}, version="0.33.2")
+
+
+def chat_info(words: int, size: int | None, messages: int = 1, tools: bool = False) -> RequestInfo:
+    return RequestInfo(model="m", has_prompt=True, user_turn=True, prompt_words=words, all_words=words,
+                       all_bytes=size, messages=messages, tools=tools)
+
+
+def test_words_of_every_message_above_the_context_prove_a_cut_whatever_the_count() -> None:
+    found = prompt_truncation(answered(prompt_tokens=2048), chat_info(3300, 28_000, 24), SHOWN)
+    assert found.truncated is True and "3,300 words" in (found.detail or "")
+
+
+def test_a_count_below_the_words_of_every_message_proves_a_cut() -> None:
+    found = prompt_truncation(answered(prompt_tokens=900), chat_info(1500, 9000, 8), SHOWN)
+    assert found.truncated is True and "900 prompt tokens" in (found.detail or "")
+
+
+def test_bytes_and_the_shown_template_within_the_context_prove_no_cut() -> None:
+    found = prompt_truncation(answered(prompt_tokens=10), chat_info(7, 41), SHOWN)
+    assert found.truncated is False and "at most 943 tokens" in (found.detail or "")  # 41 + 2 + 3 x 300
+
+
+def test_between_the_bounds_both_are_said() -> None:
+    found = prompt_truncation(answered(prompt_tokens=700), chat_info(600, 3000, 4), SHOWN)
+    detail = found.detail or ""
+    assert found.truncated is None and "at least 600" in detail and "at most 4,802" in detail
+    assert "context 2,048" in detail and "counted 700" in detail
+
+
+def test_no_upper_bound_with_tools_an_image_or_no_template() -> None:
+    for info, identity in ((chat_info(7, 41, tools=True), SHOWN), (chat_info(7, None), SHOWN),
+                           (chat_info(7, 41), OLLAMA)):
+        found = prompt_truncation(answered(prompt_tokens=10), info, identity)
+        assert found.truncated is None and "no upper bound" in (found.detail or "")

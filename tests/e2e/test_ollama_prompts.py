@@ -74,16 +74,67 @@ async def test_a_conversation_cut_silently_to_fit_num_ctx_is_prompt_truncated(
 
 
 async def test_a_conversation_that_fits_is_not_called_cut(fake: FakeOllama, make_proxy: ProxyFactory) -> None:
-    """Ollama has no tokenizer to ask and reports the count after a cut: a count above the words sent
-    proves nothing either way, and the record says it cannot know."""
+    """Its bytes, with the template and system prompt /api/show gives, bound its tokens from above,
+    within num_ctx: nothing was cut."""
     running = await ollama_proxy(make_proxy, fake)
+    await until_shown(running)
     client = ollama.AsyncClient(host=running.proxy_url, headers={"X-Request-Id": "whole"})
     await client.chat(model=MODEL, messages=LONG_CHAT[:3], options={"num_ctx": 4096})
     record = await record_for(running, "whole")
-    assert record.prompt_truncated is None and record.stop_reason == "eos"
-    assert record.prompt_truncated_detail is not None and "no tokenizer" in record.prompt_truncated_detail
+    assert record.prompt_truncated is False and record.stop_reason == "eos"
+    assert record.prompt_truncated_detail is not None and "at most" in record.prompt_truncated_detail
     assert record.context_tokens == 4096
     assert await metric(running, "llm_proxy_prompt_truncated_total") == 0
+
+
+async def test_a_one_line_question_is_not_cut(fake: FakeOllama, make_proxy: ProxyFactory) -> None:
+    """A question of 41 bytes cannot fill a 2,048-token context, whatever its tokenizer: false, not unknown."""
+    fake.context = 2048
+    running = await ollama_proxy(make_proxy, fake)
+    await until_shown(running)
+    client = ollama.AsyncClient(host=running.proxy_url, headers={"X-Request-Id": "short"})
+    await client.chat(model=MODEL, messages=[{"role": "user", "content": "What is the capital city of Australia?"}])
+    record = await record_for(running, "short")
+    assert record.prompt_truncated is False and record.context_tokens == 2048
+
+
+async def test_a_conversation_past_the_context_on_the_openai_route_is_cut(
+        fake: FakeOllama, make_proxy: ProxyFactory) -> None:
+    """On /v1/chat/completions Ollama ignores options.num_ctx and the loaded context applies: a
+    conversation whose words alone pass it was cut, whatever count came back."""
+    fake.context = 2048
+    running = await ollama_proxy(make_proxy, fake)
+    client = openai.AsyncOpenAI(base_url=running.proxy_url + "/v1", api_key="x", max_retries=0,
+                                default_headers={"X-Request-Id": "long-v1"})
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa " * 33
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": words} for i in range(10)]
+    await client.chat.completions.create(model=MODEL, messages=chat)  # type: ignore[arg-type]
+    record = await record_for(running, "long-v1")
+    assert record.prompt_truncated is True and record.context_tokens == 2048
+    assert record.prompt_truncated_detail is not None and "3,300 words" in record.prompt_truncated_detail
+
+
+async def test_between_the_bounds_it_stays_open_with_both_said(fake: FakeOllama, make_proxy: ProxyFactory) -> None:
+    """A model with a built-in renderer shows no template: no upper bound, and a count above the
+    words proves nothing: null, with what is known."""
+    fake.template = None
+    running = await ollama_proxy(make_proxy, fake)
+    client = ollama.AsyncClient(host=running.proxy_url, headers={"X-Request-Id": "open"})
+    await client.chat(model=MODEL, messages=LONG_CHAT[:3], options={"num_ctx": 4096})
+    record = await record_for(running, "open")
+    detail = record.prompt_truncated_detail or ""
+    assert record.prompt_truncated is None
+    assert "at least" in detail and "no upper bound" in detail and "no tokenizer" in detail
+
+
+async def until_shown(running: RunningProxy) -> None:
+    """The proxy knows the model's template (its /api/show), asked once the model is loaded."""
+    for _ in range(300):
+        info = running.check.identity.info_for(MODEL)
+        if info is not None and info.template_bytes is not None:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the proxy never read the model's template")
 
 
 async def test_the_ollama_route_alone_is_enough_to_read_its_count(fake: FakeOllama, make_proxy: ProxyFactory) -> None:

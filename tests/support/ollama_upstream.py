@@ -13,7 +13,8 @@ Built from Ollama's source (github.com/ollama/ollama, 2026-08):
 - `openai/openai.go`: `/v1/chat/completions` streams `delta.reasoning` and `delta.content`,
   `finish_reason` from done_reason, `usage.prompt_tokens` = prompt_eval_count.
 - `GET /api/version` answers `{"version"}`; `GET /api/ps` lists the loaded model with its
-  `context_length`.
+  `context_length`; `POST /api/show` its `template` and `system` (api/types.go, ShowResponse; a
+  model with a built-in `renderer` shows no template).
 
 Its tokenizer is one token per whitespace-separated word, plus one per message header: enough to
 make the proxy's lower bound (a word is at least one token) meet a real count. `split` gives each
@@ -35,6 +36,11 @@ from tests.support.loopback_app import LoopbackApp
 
 VERSION = "0.33.2"
 MODEL = "qwen3:4b"
+# A ChatML template in Ollama's Go template syntax, as `ollama show --template` prints one.
+TEMPLATE = ("{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+            "{{- range $i, $_ := .Messages }}{{- $last := eq (len (slice $.Messages $i)) 1 -}}"
+            "<|im_start|>{{ .Role }}\n{{ .Content }}{{ if not $last }}<|im_end|>\n{{ end }}"
+            "{{- if and $last (ne .Role \"assistant\") }}<|im_end|>\n<|im_start|>assistant\n{{ end }}{{- end }}")
 
 
 @dataclass
@@ -46,11 +52,13 @@ class FakeOllama(LoopbackApp):
     token_delay_s: float = 0.001
     in_flight: int = 0
     prompts: list[int] = field(default_factory=list)  # prompt_eval_count of each chat answered
+    template: str | None = TEMPLATE  # what /api/show says (None: a built-in renderer, no template shown)
     server: TestServer | None = None
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/api/version", self._version)
         app.router.add_get("/api/ps", self._ps)
+        app.router.add_post("/api/show", self._show)
         app.router.add_post("/api/chat", self._chat)
         app.router.add_post("/v1/chat/completions", self._openai_chat)
 
@@ -62,6 +70,18 @@ class FakeOllama(LoopbackApp):
             "name": MODEL, "model": MODEL, "size": 3_000_000_000, "size_vram": 3_000_000_000,
             "digest": "sha256:0", "details": {}, "expires_at": "2026-12-05T00:00:00Z",
             "context_length": self.context}]})
+
+    async def _show(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        if body.get("model") != MODEL:
+            return web.json_response({"error": f"model '{body.get('model')}' not found"}, status=404)
+        shown: dict[str, Any] = {"modelfile": "FROM qwen3", "parameters": "", "details": {"format": "gguf"},
+                                 "model_info": {"general.architecture": "qwen3"}, "capabilities": ["completion"]}
+        if self.template is None:
+            shown["renderer"] = "qwen3"
+        else:
+            shown["template"] = self.template
+        return web.json_response(shown)
 
     # --- what Ollama does with a chat -----------------------------------------------------------
     def _granted(self, options: dict[str, Any]) -> int:

@@ -355,3 +355,33 @@ def test_a_whole_openai_answer_shows_its_reasoning_and_its_answer() -> None:
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "", "reasoning": "hm"},
                          "finish_reason": "length"}]}
     assert ONE_REASONING_TOKEN in openai.events(body) and ONE_TOKEN not in openai.events(body)
+
+
+# --- what a request's messages bound: words (at least) and bytes (at most) ---------------------------
+def test_every_messages_words_and_bytes_are_read_system_and_assistant_included() -> None:
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Where is Canberra?"},
+                                       {"role": "assistant", "content": "In the ACT.", "thinking": "easy one"},
+                                       {"role": "user", "content": [{"type": "text", "text": "Thanks é"}]}]}
+    info = read_request(openai.DIALECT, orjson.dumps(body))
+    assert (info.prompt_words, info.all_words, info.messages, info.tools) == (5, 12, 4, False)
+    assert info.all_bytes == len("Be brief.Where is Canberra?In the ACT.easy oneThanks é".encode())
+
+
+@pytest.mark.parametrize(("message", "words"), [
+    ({"role": "user", "content": "look", "images": ["aGk="]}, 1),
+    ({"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+     1),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}, 0),
+])
+def test_a_message_whose_tokens_are_not_its_text_leaves_the_bytes_unknown(message: dict[str, Any], words: int) -> None:
+    info = read_request(ollama.DIALECT, orjson.dumps({"model": "m", "messages": [message]}))
+    assert info.all_bytes is None and info.all_words == words
+
+
+def test_tools_and_a_generate_system_prompt_are_read() -> None:
+    info = read_request(openai.DIALECT, orjson.dumps({"model": "m", "tools": [{"type": "function"}],
+                                                      "messages": [{"role": "user", "content": "hi"}]}))
+    assert info.tools
+    info = read_request(ollama.DIALECT, orjson.dumps({"model": "m", "prompt": "hi there", "system": "be kind"}))
+    assert (info.all_words, info.all_bytes, info.messages) == (4, len("hi therebe kind"), 1)

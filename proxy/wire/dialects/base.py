@@ -166,29 +166,69 @@ def text_words(content: Any) -> int:
     return 0
 
 
+def text_size(content: Any) -> tuple[int, int] | None:
+    """(words, UTF-8 bytes) of a message's text: a string, or a list of text parts; None when it
+    holds a part the proxy cannot size (an image: its tokens are not its bytes)."""
+    if isinstance(content, str):
+        return len(content.split()), len(content.encode("utf-8", "surrogatepass"))
+    if content is None:
+        return 0, 0
+    if not isinstance(content, list):
+        return None
+    words = size = 0
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            return None
+        words += len(part["text"].split())
+        size += len(part["text"].encode("utf-8", "surrogatepass"))
+    return words, size
+
+
+# A message's fields whose text a template renders as it is, beside its content (Ollama's api.Message).
+_RENDERED_TEXT = ("content", "thinking")
+
+
 def read_messages(messages: Any, info: RequestInfo) -> None:
     """What a chat's messages say of its prompt: whether there is one, whether a user speaks in it,
-    and the words of the user's (and tools') turns.
+    the words of the user's (and tools') turns, and the words and bytes of every message.
 
     The words are a lower bound on the prompt's tokens: a tokenizer never merges two words across
     the whitespace between them (GPT-2-style pre-tokenizers split there, SentencePiece splits by
     whitespace), so each word costs at least one token, and a template renders these turns whole.
+    The bytes of every message are the text of an upper bound (a token is at least one byte); a
+    message with an image or a tool call, whose tokens are not its text's, leaves them unknown.
     """
     if not isinstance(messages, list) or not messages:
         return
     info.has_prompt = True
     words = 0
     user = False
+    all_words = 0
+    all_bytes: int | None = 0
     for message in messages:
         if not isinstance(message, dict):
             continue
+        info.messages += 1
         role = message.get("role")
         if role == "user":
             user = True
         if role in _VERBATIM_ROLES:
             words += text_words(message.get("content"))
+        for name in _RENDERED_TEXT:
+            size = text_size(message.get(name))
+            if size is None:
+                all_bytes = None
+                all_words += text_words(message.get(name))
+                continue
+            all_words += size[0]
+            if all_bytes is not None:
+                all_bytes += size[1]
+        if message.get("images") or message.get("tool_calls"):
+            all_bytes = None
     info.user_turn = user
     info.prompt_words = words
+    info.all_words = all_words
+    info.all_bytes = all_bytes
 
 
 def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
@@ -196,13 +236,16 @@ def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
     proxy does not count (a batch of prompts, token ids)."""
     if isinstance(prompt, str):
         info.has_prompt = bool(prompt)
-        info.prompt_words = len(prompt.split())
+        info.prompt_words = info.all_words = len(prompt.split())
+        info.all_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+        info.messages = 1
     elif isinstance(prompt, list) and prompt:
         info.has_prompt = True
 
 
 def read_chat_or_prompt(obj: dict[str, Any], info: RequestInfo) -> None:
     """A body that is a chat (`messages`) or a completion (`prompt`), whichever it holds."""
+    info.tools = bool(obj.get("tools"))
     if "messages" in obj:
         read_messages(obj.get("messages"), info)
     else:

@@ -79,6 +79,11 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
         info.temperature = as_number(options.get("temperature"))
         info.stop_requested = bool(options.get("stop"))
     read_chat_or_prompt(obj, info)
+    system = obj.get("system")  # /api/generate's own system prompt, rendered with the prompt
+    if isinstance(system, str) and system:
+        info.all_words = (info.all_words or 0) + len(system.split())
+        if info.all_bytes is not None:
+            info.all_bytes += len(system.encode("utf-8", "surrogatepass"))
 
 
 DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events,
