@@ -29,7 +29,10 @@ _CONTEXT_EXHAUSTED = re.compile(r"context size has been exceeded|kv cache is ful
 _EXCEEDS_CONTEXT = re.compile(
     r"exceeds the available context size|larger than the max context size|maximum context length"
     r"|greater than max_model_len|input length exceeds the context length|context_length_exceeded"
-    r"|exceed_context_size_error|prompt is too long|longer than the model's context length", re.IGNORECASE)
+    r"|exceed_context_size_error|prompt is too long|longer than the model's context length"
+    # LM Studio, with a 200 or a 400 (lmstudio-bug-tracker#546, #2322): "Trying to keep the first N tokens
+    # when context the overflows. However, the model is loaded with context length of only M tokens"
+    r"|when context the overflows", re.IGNORECASE)
 # The counts in those refusals, the prompt's and the context's (group names), checked against the sources:
 # llama-server (tools/server/server-context.cpp), vLLM (vllm/renderers/params.py, _token_len_check; older
 # releases' serving_engine.py) and SGLang (python/sglang/srt/managers/tokenizer_manager.py, _validate_one_request).
@@ -77,6 +80,7 @@ class WireFacts:
     streamed: bool = False  # the body was a stream of events, not one JSON document
     has_prompt: bool = False  # the request asked for a generation (it carried messages or a prompt)
     request_read: bool = True  # False: the request body was not read, so its budget is not known
+    delivered: int | None = None  # pieces of output the stream itself carried (None: not counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +185,9 @@ def classify(facts: WireFacts) -> Diagnosis:
         return _finished(finish, facts)
     if facts.done and facts.streamed and not facts.parse_failed:
         # The server ended the stream itself ([DONE], message_stop) without saying why: llama-cpp-
-        # python's server does so to a running stream when another request queues.
+        # python's server does so to a running stream when another request queues, before its first
+        # token or after. (A `[DONE]` alone is also how a llama.cpp-based server over its context
+        # answers, NousResearch/hermes-agent#51448: the wire does not tell the two apart.)
         return Diagnosis("interrupted")
     if facts.done or facts.parse_failed:
         return Diagnosis("unknown")  # a body without a reason, or bytes we could not read
@@ -218,7 +224,18 @@ def _finished(finish: Finish, facts: WireFacts) -> Diagnosis:
         # Ollama's `load`/`unload` to a request that carried a prompt: nothing was generated
         # (a chat without a user turn, for one); not a model listing.
         return Diagnosis("not_generated")
+    if finish.stop == "eos" and empty_stream(facts):
+        # A 200 stream that ended "stop" without one piece of output: LM Studio answers a prompt
+        # over its context so, its usage counting tokens all the same (lmstudio-bug-tracker#2339).
+        # Nothing was generated; not an answer.
+        return Diagnosis("not_generated")
     return Diagnosis(finish.stop)
+
+
+def empty_stream(facts: WireFacts) -> bool:
+    """A stream for a request that asked for a generation, which carried no output at all: no
+    content, reasoning or tool call (what its usage says it counted is no output delivered)."""
+    return facts.streamed and facts.has_prompt and facts.delivered == 0 and not facts.parse_failed
 
 
 def _message(error: ErrorEvent | None) -> str | None:

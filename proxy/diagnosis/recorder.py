@@ -293,14 +293,18 @@ class Recorder:
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
             n=record.n, stop_requested=info.stop_requested, stop_token_ids=info.stop_token_ids,
             streamed=tally.streaming, has_prompt=info.has_prompt,
-            request_read=info.body_parsed or self._dialect is None))
+            request_read=info.body_parsed or self._dialect is None, delivered=tally.tokens))
         record.stop_reason = diagnosis.stop_reason
         record.stop_reason_certain = diagnosis.certain
         record.length_cause = diagnosis.length_cause
         record.length_cause_source = diagnosis.length_cause_source
         record.upstream_error = diagnosis.upstream_error
         record.upstream_error_detail = diagnosis.upstream_error_detail
-        if record.stop_reason == "not_generated":
+        if record.stop_reason == "not_generated" and tally.finish is not None and tally.finish.stop == "eos":
+            record.stop_detail = (f"the stream said {record.finish_reason_raw!r} without one piece of output: nothing "
+                                  "was generated (LM Studio answers a prompt over its context this way, and says "
+                                  "nothing more)")
+        elif record.stop_reason == "not_generated":
             record.stop_detail = (f"the server generated nothing (done_reason {record.finish_reason_raw!r}): "
                                   + ("the chat has no user turn" if info.user_turn is False
                                      else "it treated the request as a model load"))

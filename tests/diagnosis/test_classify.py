@@ -154,3 +154,38 @@ def test_plain_stop_with_stop_strings_requested_is_eos_but_not_certain() -> None
 def test_vllm_null_stop_reason_proves_eos_even_with_stop_strings() -> None:
     verdict = classify(replace(BASE, finish=Finish("stop", "eos", distinguishes_stop=True), stop_requested=True))
     assert verdict.stop_reason == "eos" and verdict.certain
+
+
+# --- a 200 stream that carried nothing ------------------------------------------------------------------
+EMPTY = replace(BASE, streamed=True, has_prompt=True, delivered=0, output_tokens=None)
+
+
+def test_a_stream_that_says_stop_without_one_piece_of_output_was_not_generated() -> None:
+    """LM Studio over its context: 200, well-formed, zero content deltas, usage counting tokens all the
+    same (lmstudio-ai/lmstudio-bug-tracker#2339)."""
+    assert classify(EMPTY).stop_reason == "not_generated"
+    assert classify(replace(EMPTY, output_tokens=12)).stop_reason == "not_generated"  # (its usage said 12)
+
+
+@pytest.mark.parametrize("facts", [
+    replace(EMPTY, delivered=1),  # one token, or a tool call's piece: an answer
+    replace(EMPTY, streamed=False),  # a whole body: its own count decides
+    replace(EMPTY, has_prompt=False),  # no generation was asked for
+    replace(EMPTY, delivered=None),  # not counted
+    replace(EMPTY, parse_failed=True),  # bytes the proxy could not read
+])
+def test_an_answer_or_what_the_proxy_cannot_tell_is_not_called_empty(facts: WireFacts) -> None:
+    assert classify(facts).stop_reason == "eos"
+
+
+def test_a_done_alone_stays_interrupted_the_wire_does_not_tell_why() -> None:
+    assert classify(replace(EMPTY, finish=None, done=True)).stop_reason == "interrupted"
+
+
+def test_an_error_body_sent_with_status_200_is_an_upstream_error() -> None:
+    """LM Studio answers a prompt over its context with an error body and a 200
+    (lmstudio-ai/lmstudio-bug-tracker#2322)."""
+    error = ErrorEvent("Trying to keep the first 10136 tokens when context the overflows. However, the model is "
+                       "loaded with context length of only 7866 tokens, which is not enough.")
+    found = classify(replace(BASE, finish=None, error=error))
+    assert found.stop_reason == "upstream_error" and found.upstream_error == "exceeds_context"
