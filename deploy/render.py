@@ -291,7 +291,13 @@ def panels() -> list[dict[str, Any]]:
               [(f"sum by (model) ({counted('llm_proxy_prompt_truncated', JIM)})", "prompt cut: {{model}}"),
                (f"sum by (result) ({counted('llm_proxy_server_tokenizer_requests')})",
                 "tokenizer: {{result}}")]),
-        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 72, "w": 24, "h": 4},
+        panel("timeseries", "Answers that are not whole", "Answers per interval, to requests that asked for "
+              "structure, whose structured part was not whole when they ended, by model and part: tool_call (its "
+              "arguments not whole JSON: cut by the budget, which vLLM reports as tool_calls, or broken below it) "
+              "and json (an answer asked to be JSON that is not). Records: /api/requests?model=... "
+              "(answer_complete false, incomplete_detail).", (0, 72, 24, 7),
+              [(f"sum by (model, part) ({counted('llm_proxy_incomplete_answers', JIM)})", "{{part}}: {{model}}")]),
+        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 79, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
              "Every response has a record on the proxy's admin port (the `admin_url` variable above, default "
              "http://127.0.0.1:9464): `/api/requests?outcome=cut` lists the answers the serving layer cut, "

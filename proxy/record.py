@@ -46,7 +46,7 @@ OUTCOMES: tuple[str, ...] = Outcome.__args__  # type: ignore[attr-defined]
 CUT_CAUSES: tuple[str, ...] = (
     "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
     "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
-    "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated")
+    "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated", "answer_incomplete")
 CAUSES: tuple[str, ...] = (
     "eos", "stop_sequence", "tool_calls", "requested_budget", *CUT_CAUSES, "client_disconnect", "http_4xx",
     "no_user_turn", "length_unknown", "unknown", "not_inference")
@@ -117,6 +117,7 @@ class RequestInfo:
     all_bytes: int | None = None  # its UTF-8 bytes (None: a part the proxy cannot size, an image)
     messages: int = 0  # messages in the chat (1 for a completion's prompt)
     tools: bool = False  # the request offers tools (their definitions are rendered into the prompt)
+    json_format: bool = False  # the request asks for a JSON answer (a response format, a schema)
     truncate_prompt_tokens: int | None = None  # vLLM's: the client asks to keep only the last N
     n_keep: int | None = None  # llama.cpp's: prompt tokens a context shift keeps
     ignored: list[str] = field(default_factory=list)  # values out of range, left out (`name=value`)
@@ -166,6 +167,11 @@ class ResponseRecord:
     length_cause_source: LengthCauseSource | None = None
     length_cause_detail: str | None = None  # how the server's own numbers decided it, or why they could not
     stop_detail: str | None = None  # what the stop means where its name does not say it (not_generated: why)
+    # Whether the answer can be used, for a request that asked for structure (tools, a JSON format):
+    # every tool call's arguments and a JSON answer whole at its end (None: not asked, or not known).
+    answer_complete: bool | None = None
+    incomplete_part: Literal["tool_call", "json"] | None = None  # which part was not whole
+    incomplete_detail: str | None = None  # why not, or why it could not be checked (never the text itself)
     user_turn: bool | None = None  # the chat carried a user message (None: not a chat, or not read)
     # the server's report (usage), its tokenizer, or the count in its refusal of an over-long prompt
     prompt_tokens_source: Literal["usage", "tokenizer", "server_error"] | None = None
@@ -261,6 +267,8 @@ class ResponseRecord:
             return "http_4xx" if self.status is not None and 400 <= self.status < 500 else "http_5xx"
         if stop == "not_generated" and self.user_turn is False:
             return "no_user_turn"  # the client sent a chat the server had nothing to answer in
+        if self.answer_complete is False and stop in COMPLETE_STOP_REASONS:
+            return "answer_incomplete"  # it said it ended, and its tool call or JSON is not whole
         return stop
 
     @property

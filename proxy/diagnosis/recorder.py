@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from proxy.diagnosis import usability
 from proxy.diagnosis.classify import WireFacts, classify, refusal_counts
 from proxy.diagnosis.prompt_rules import (
     PromptCount,
@@ -21,7 +22,7 @@ from proxy.diagnosis.prompt_rules import (
     prompt_truncation,
     server_limit_detail,
 )
-from proxy.diagnosis.stream_tally import StreamTally
+from proxy.diagnosis.stream_tally import AnswerTexts, StreamTally
 from proxy.diagnosis.writable import make_writable
 from proxy.record import (
     MAX_IGNORED,
@@ -165,11 +166,15 @@ class Recorder:
         self.record.status = status
         if self.inference or status >= 400:
             dialect = self._dialect or FALLBACK
+            structured = self.inference and (self._info.tools or self._info.json_format)
             self.tally = StreamTally(parser_for(dialect, content_type, content_encoding,
                                                 max_line=self._limits.max_line_bytes,
                                                 body_cap=self._limits.body_cap_bytes,
                                                 parse_bytes=self._limits.parse_bytes, content_length=content_length,
-                                                fast_path=self._limits.fast_path))
+                                                fast_path=self._limits.fast_path, texts=structured))
+            if structured:  # the answer's structured text, kept to check it is whole (bounded)
+                parse_bytes = self._limits.parse_bytes
+                self.tally.texts = AnswerTexts(reserve=parse_bytes.reserve, release=parse_bytes.release)
 
     def chunk(self, data: bytes, now: float) -> None:
         """A chunk of the response body, already on its way to the client."""
@@ -300,6 +305,11 @@ class Recorder:
         record.length_cause_source = diagnosis.length_cause_source
         record.upstream_error = diagnosis.upstream_error
         record.upstream_error_detail = diagnosis.upstream_error_detail
+        if tally.texts is not None:
+            try:
+                usability.judge(record, info, tally.texts)
+            finally:
+                tally.texts.drop()  # (the text goes now: it is never kept past the check)
         if record.stop_reason == "not_generated" and tally.finish is not None and tally.finish.stop == "eos":
             record.stop_detail = (f"the stream said {record.finish_reason_raw!r} without one piece of output: nothing "
                                   "was generated (LM Studio answers a prompt over its context this way, and says "

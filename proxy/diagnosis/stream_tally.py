@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.record import MAX_IGNORED
-from proxy.wire.events import Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
+from proxy.wire.events import AnswerText, Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.wire.fast_tokens import EVENTS, VISIBLE
 from proxy.wire.parsers import ResponseParser
 
@@ -35,7 +35,7 @@ class StreamTally:
     __slots__ = (
         "bytes_out", "closed", "done", "error", "finish", "first_token_at", "gap_count", "gap_max", "gap_sum", "gaps",
         "last_token_at", "parse_error", "parse_errors", "parser", "pending", "pending_bytes", "reasoning", "runs",
-        "timings", "tokens", "usage",
+        "texts", "timings", "tokens", "usage",
     )
 
     def __init__(self, parser: ResponseParser | None) -> None:
@@ -58,6 +58,7 @@ class StreamTally:
         self.error: ErrorEvent | None = None
         self.done = False
         self.closed = False
+        self.texts: AnswerTexts | None = None  # the answer's structured text, where the request asked for structure
         self.parse_errors = 0
         self.parse_error: str | None = None
 
@@ -156,6 +157,9 @@ class StreamTally:
                     self.error = event
             elif isinstance(event, ServerTimings):
                 self.timings = event
+            elif isinstance(event, AnswerText):
+                if self.texts is not None:
+                    self.texts.add(event)
             elif isinstance(event, ParseError):
                 self.parse_errors += 1
                 if self.parse_error is None:
@@ -205,3 +209,55 @@ class StreamTally:
         ordered = sorted(self.gaps)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         return self.gap_sum / self.gap_count, p95, self.gap_max
+
+
+TEXT_MAX_BYTES = 256 * 1024  # the structured text one answer keeps to check it, at most
+TOOL_CALLS_MAX = 64  # tool calls one answer keeps, at most
+
+
+class AnswerTexts:
+    """The text of an answer's structured parts, kept (bounded) to check that each is whole JSON at
+    its end: the visible content, and each tool call's arguments, by key. Never logged or stored.
+
+    Past `cap` bytes (or TOOL_CALLS_MAX calls), or when the process-wide bytes held for parsing run
+    out (`reserve`), it stops keeping and says so (`overflow`): the check then cannot be made."""
+
+    __slots__ = ("_release", "_reserve", "cap", "content", "held", "overflow", "tool_calls")
+
+    def __init__(self, cap: int = TEXT_MAX_BYTES, reserve: Callable[[int], bool] = lambda size: True,
+                 release: Callable[[int], None] = lambda size: None) -> None:
+        self.cap = cap
+        self._reserve, self._release = reserve, release
+        self.content: dict[str, list[str]] = {}
+        self.tool_calls: dict[str, list[str]] = {}
+        self.held = 0  # bytes kept
+        self.overflow: str | None = None
+
+    def add(self, text: AnswerText) -> None:
+        if self.overflow is not None:
+            return
+        size = len(text.text)
+        if self.held + size > self.cap:
+            self.overflow = f"the answer's structured text passed the {self.cap // 1024} KiB kept to check it"
+        elif not self._reserve(size):
+            self.overflow = "the process-wide bytes held for parsing (--parse-bytes) ran out"
+        if self.overflow is not None:
+            self.drop()
+            return
+        self.held += size
+        if text.part == "content":
+            self.content.setdefault(text.key, []).append(text.text)
+            return
+        key = text.key or f"whole:{len(self.tool_calls)}"
+        if key not in self.tool_calls and len(self.tool_calls) >= TOOL_CALLS_MAX:
+            self.overflow = f"more than {TOOL_CALLS_MAX} tool calls"
+            self.drop()
+            return
+        self.tool_calls.setdefault(key, []).append(text.text)
+
+    def drop(self) -> None:
+        """Let go of the text (the check is done, or cannot be made)."""
+        self.content.clear()
+        self.tool_calls.clear()
+        self._release(self.held)
+        self.held = 0

@@ -28,6 +28,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
 # The cause label of llm_proxy_truncated_total: what the serving layer cut (outcome "cut").
 TRUNCATION_CAUSES = CUT_CAUSES
+INCOMPLETE_PARTS = ("tool_call", "json")  # the part label of llm_proxy_incomplete_answers_total
 OTHER_MODEL = "other"
 NO_MODEL = "none"
 
@@ -165,6 +166,11 @@ class RecordMetrics:
             "llm_proxy_prompt_truncated", "Answers whose prompt the server cut on the way in (Ollama dropping "
             "earlier messages past its context, llama.cpp's context shift), as the server's own numbers show; "
             "the answer itself may look complete.", ["model"], registry=r)
+        self.incomplete_answers = Counter(
+            "llm_proxy_incomplete_answers", "Answers to requests that asked for structure whose structured part "
+            "was not whole at the end, by part: tool_call (its arguments not whole JSON, cut by the budget or "
+            "broken) or json (an answer asked to be JSON that is not); each model's parts exist at 0 from the "
+            "moment the proxy knows the model.", ["model", "part"], registry=r)
         self.server_tokenizer_requests = Counter(
             "llm_proxy_server_tokenizer_requests", "Length stops the wire left open (tokens only counted), by what "
             "the upstream's own tokenizer made of them: decided, undecided (counted, but too close to call), "
@@ -258,6 +264,8 @@ class RecordMetrics:
         for cause in TRUNCATION_CAUSES:
             self._child(self.truncated, model, cause)
         self._child(self.prompt_truncated, model)
+        for part in INCOMPLETE_PARTS:
+            self._child(self.incomplete_answers, model, part)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -379,6 +387,8 @@ class MetricsObserver(Observer):
             m._child(m.truncated, model, cause).inc()
         if record.prompt_truncated:
             m._child(m.prompt_truncated, model).inc()
+        if record.answer_complete is False:
+            m._child(m.incomplete_answers, model, record.incomplete_part or "tool_call").inc()
         if record.client_disconnected and record.disconnect_phase is not None:
             m._child(m.client_disconnects, record.disconnect_phase).inc()
         if record.deadline_hit != "none":

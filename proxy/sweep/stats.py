@@ -49,10 +49,13 @@ def stop_label(record: ResponseRecord) -> str:
     """The stop reason, with `length` split by its cause (`length:server_limit`,
     `length:requested_budget`, `length:unknown`) and a context error named
     (`upstream_error:context_exhausted`, `upstream_error:exceeds_context`); an answer to a prompt the
-    server cut on the way in is `prompt_truncated` however it ended, and one never generated says why
-    (`not_generated:no_user_turn`)."""
+    server cut on the way in is `prompt_truncated` however it ended, one whose tool call or JSON is
+    not whole though it said it ended is `answer_incomplete:tool_call` (or `:json`), and one never
+    generated says why (`not_generated:no_user_turn`)."""
     if record.prompt_truncated:
         return "prompt_truncated"
+    if record.answer_complete is False and record.stop_reason in COMPLETE_STOP_REASONS:
+        return f"answer_incomplete:{record.incomplete_part or 'tool_call'}"
     if record.stop_reason == "length" and record.length_cause is not None:
         return f"length:{record.length_cause}"
     if record.stop_reason == "upstream_error" and record.upstream_error in CONTEXT_ERRORS:
@@ -65,7 +68,8 @@ def stop_label(record: ResponseRecord) -> str:
 def is_complete(record: ResponseRecord) -> bool:
     """The answer ended on its own (EOS, a stop sequence, a tool call), to the whole prompt: one whose
     prompt the server cut answered another question, however complete it looks."""
-    return record.stop_reason in COMPLETE_STOP_REASONS and not record.prompt_truncated
+    return (record.stop_reason in COMPLETE_STOP_REASONS and not record.prompt_truncated
+            and record.answer_complete is not False)
 
 
 def output_tokens(record: ResponseRecord) -> int:

@@ -362,6 +362,9 @@ CAUSE_WORDS: dict[str, str] = {
                      "model load)",
     "not_generated:no_user_turn": "the server generated nothing: the chat has no user turn (Ollama loads the "
                                   "model and answers done_reason load)",
+    "answer_incomplete:tool_call": "answers said they ended, but a tool call's arguments are not whole JSON: "
+                                   "the agent cannot use them",
+    "answer_incomplete:json": "answers asked to be JSON said they ended, but their JSON is not whole",
 }
 
 
@@ -382,6 +385,10 @@ CAUSE_ADVICE: dict[str, str] = {
                         "--ctx-size or fewer --parallel slots, or no --context-shift) or shorten the prompts",
     "not_generated:no_user_turn": "send at least one user turn: a chat of system messages alone is answered "
                                   "with nothing",
+    "answer_incomplete:tool_call": "raise max_tokens for tool calls (vLLM reports a call cut by the budget as "
+                                   "tool_calls, vllm#53269) and treat a call whose arguments do not parse as cut",
+    "answer_incomplete:json": "check the server's structured-output backend (it ended inside the JSON) and give "
+                              "the answer room to close it",
 }
 
 
@@ -456,10 +463,16 @@ def _cause_detail(cause: str, samples: Sequence[Sample], client_timeout_s: float
     """Numbers that characterise one cause: where the limit sits."""
     records = [s.record for s in samples]
     if cause == "length:requested_budget":
-        return _reasoning_line(records)
+        calls = [r for r in records if r.incomplete_part == "tool_call"]
+        named = (f"{len(calls)} of these were tool calls cut mid-arguments by the budget though the server said "
+                 f"{_mode([r.finish_reason_raw or '?' for r in calls])!r}" if calls else None)
+        return [*([named] if named else []), *_reasoning_line(records)]
     if cause.startswith("not_generated"):
         details = [r.stop_detail for r in records if r.stop_detail]
         return [f"{len(records)} answers were never generated" + (f": {_mode(details)}" if details else "")]
+    if cause.startswith("answer_incomplete"):
+        details = [r.incomplete_detail for r in records if r.incomplete_detail]
+        return [f"{len(records)} answers were not whole" + (f": {_mode(details)}" if details else "")]
     if cause == "length:server_limit":
         tokens = sorted(output_tokens(r) for r in records)
         budget = median([float(r.requested_max_tokens) for r in records if r.requested_max_tokens])

@@ -95,13 +95,25 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class AnswerText:
+    """Text of an answer's structured part, read only for a request that asked for structure (tools,
+    a JSON format): `part` is `content` (the visible answer) or `arguments` (a tool call's), `key`
+    tells the tool calls of one answer apart. Kept by the diagnosis, bounded, to check that the part
+    is whole JSON; never logged or stored."""
+
+    part: str
+    key: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ParseError:
     """Bytes that could not be understood; they were still forwarded unchanged."""
 
     message: str
 
 
-Event = TokenDelta | Finish | Usage | ServerTimings | ErrorEvent | Done | ParseError
+Event = TokenDelta | Finish | Usage | ServerTimings | ErrorEvent | Done | AnswerText | ParseError
 
 # Shared instances for the events seen on nearly every chunk, so the hot path allocates nothing.
 ONE_TOKEN = TokenDelta(1)

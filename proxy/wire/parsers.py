@@ -488,10 +488,15 @@ class DecompressingParser:
 
 def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *, max_line: int, body_cap: int,
                parse_bytes: ParseBytes = UNLIMITED, content_length: int | None = None,
-               fast_path: bool = True) -> ResponseParser:
+               fast_path: bool = True, texts: bool = False) -> ResponseParser:
     """The parser for one response in `dialect`, its framing chosen by what the server declared
-    (`fast_path=False`: every event decoded, as the differential tests compare)."""
+    (`fast_path=False`: every event decoded, as the differential tests compare; `texts`: the
+    answer's structured text read too, every event decoded)."""
     interpret: Interpret = dialect.events
+    if texts:
+        events, read_texts = dialect.events, dialect.texts
+        interpret = lambda obj: [*events(obj), *read_texts(obj)]  # noqa: E731
+        fast_path = False
     plain = (PlainTokens(interpret, dialect.token_keys, dialect.reasoning_keys)
              if fast_path and (dialect.token_keys or dialect.reasoning_keys) else None)
     media = content_type.partition(";")[0].strip().lower()

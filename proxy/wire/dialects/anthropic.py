@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
@@ -28,7 +30,7 @@ from proxy.wire.dialects.base import (
     positive_budget,
     read_messages,
 )
-from proxy.wire.events import DONE, ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, Usage
+from proxy.wire.events import DONE, ONE_REASONING_TOKEN, ONE_TOKEN, AnswerText, Event, Finish, Usage
 
 ROUTES = ("/v1/messages",)
 OVERLOADED = frozenset({"overloaded_error"})
@@ -112,6 +114,39 @@ def events(obj: Any) -> list[Event]:
     return []  # ping, content_block_stop, and event types added later
 
 
+def texts(obj: Any) -> list[Event]:
+    """A stream's text and `input_json_delta` pieces (a tool use keyed by its block's index, begun
+    by its `content_block_start`), or a whole message's text and each tool use's `input`."""
+    if not isinstance(obj, dict):
+        return []
+    kind = obj.get("type")
+    if kind == "content_block_start":
+        block = obj.get("content_block")
+        if isinstance(block, dict) and block.get("type") in ("tool_use", "server_tool_use"):
+            return [AnswerText("arguments", str(obj.get("index")), "")]
+        return []
+    if kind == "content_block_delta":
+        delta = obj.get("delta")
+        if not isinstance(delta, dict):
+            return []
+        if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
+            return [AnswerText("content", "0", delta["text"])]
+        if delta.get("type") == "input_json_delta" and isinstance(delta.get("partial_json"), str):
+            return [AnswerText("arguments", str(obj.get("index")), delta["partial_json"])]
+        return []
+    if kind == "message":
+        found: list[Event] = []
+        for position, block in enumerate(obj.get("content") or ()):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "text" and isinstance(block.get("text"), str):
+                found.append(AnswerText("content", "0", block["text"]))
+            elif block.get("type") in ("tool_use", "server_tool_use"):
+                found.append(AnswerText("arguments", str(position), orjson.dumps(block.get("input")).decode()))
+        return found
+    return []
+
+
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     model = obj.get("model")
     info.model = utf8_text(model[:200]) if isinstance(model, str) else None
@@ -122,7 +157,8 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     if isinstance(thinking, dict):
         info.reasoning_budget = positive_budget(thinking.get("budget_tokens"))
     read_messages(obj.get("messages"), info)  # `system` is apart from the turns, and not counted
+    info.tools = bool(obj.get("tools"))
 
 
 DIALECT = Dialect(name="anthropic", routes=ROUTES, read_request=read_request, events=events,
-                  token_keys=(b'"text":"',), reasoning_keys=(b'"thinking":"',))
+                  token_keys=(b'"text":"',), reasoning_keys=(b'"thinking":"',), texts=texts)

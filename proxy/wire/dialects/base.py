@@ -31,7 +31,9 @@ class Dialect:
     - `streams_by_default`: what `stream` means when the request leaves it out;
     - `provider`: the provider OpenTelemetry's GenAI conventions name for it (`gen_ai.provider.name`);
     - `sweep_dialect`: the dialect a sweep repeats its requests in (llama.cpp's `/completion` is swept
-      through its OpenAI route).
+      through its OpenAI route);
+    - `texts`: the text of an answer's structured parts in one JSON object (`AnswerText`: the visible
+      content, each tool call's arguments), read only for a request that asked for structure.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Dialect:
     streams_by_default: bool = False
     provider: str = ""  # (empty: the dialect's own name)
     sweep_dialect: str = ""  # (empty: the dialect's own name)
+    texts: Callable[[Any], list[Event]] = lambda obj: []  # an answer's structured text (`AnswerText`), on demand
 
 
 # The integers a record may hold whichever parser read them: orjson (a body under its size) turns
@@ -132,6 +135,26 @@ def read_common(obj: dict[str, Any], info: RequestInfo, *, budget_fields: tuple[
             break
     info.seed = as_int(obj.get("seed"))
     info.temperature = as_number(obj.get("temperature"))
+    info.tools = bool(obj.get("tools"))
+    info.json_format = asks_for_json(obj)
+
+
+def asks_for_json(obj: dict[str, Any]) -> bool:
+    """The request constrains its answer to JSON: OpenAI's `response_format` (`json_object`,
+    `json_schema`), the Responses API's `text.format`, vLLM's `guided_json` and
+    `structured_outputs.json`, llama.cpp's `json_schema`, Ollama's `format` (`json` or a schema)."""
+    formats = [obj.get("response_format")]
+    text = obj.get("text")
+    if isinstance(text, dict):
+        formats.append(text.get("format"))
+    if any(isinstance(f, dict) and f.get("type") in ("json_object", "json_schema") for f in formats):
+        return True
+    structured = obj.get("structured_outputs")
+    if isinstance(structured, dict) and structured.get("json") is not None:
+        return True
+    given = obj.get("format")
+    return (obj.get("guided_json") is not None or isinstance(obj.get("json_schema"), dict)
+            or given == "json" or isinstance(given, dict))
 
 
 # Roles whose text a chat template renders as the client sent it. A system message is left out: some
@@ -246,6 +269,7 @@ def read_prompt_text(prompt: Any, info: RequestInfo) -> None:
 def read_chat_or_prompt(obj: dict[str, Any], info: RequestInfo) -> None:
     """A body that is a chat (`messages`) or a completion (`prompt`), whichever it holds."""
     info.tools = bool(obj.get("tools"))
+    info.json_format = asks_for_json(obj)
     if "messages" in obj:
         read_messages(obj.get("messages"), info)
     else:

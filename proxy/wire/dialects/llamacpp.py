@@ -22,7 +22,7 @@ from proxy.wire.dialects.base import (
     read_prompt_text,
 )
 from proxy.wire.dialects.openai import timings_of
-from proxy.wire.events import ONE_TOKEN, Event, Finish, Usage
+from proxy.wire.events import ONE_TOKEN, AnswerText, Event, Finish, Usage
 
 ROUTES = ("/completion", "/completions")
 
@@ -53,6 +53,12 @@ def events(obj: Any) -> list[Event]:
     return found
 
 
+def texts(obj: Any) -> list[Event]:
+    """The answer's text: `content` of each object."""
+    content = obj.get("content") if isinstance(obj, dict) else None
+    return [AnswerText("content", "0", content)] if isinstance(content, str) and content else []
+
+
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens", "n_predict"))
     info.stop_requested = bool(obj.get("stop"))
@@ -61,4 +67,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 
 DIALECT = Dialect(name="llamacpp", routes=ROUTES, read_request=read_request, events=events,
-                  token_keys=(b'"content":"',), provider="llama.cpp", sweep_dialect="openai")
+                  token_keys=(b'"content":"',), provider="llama.cpp", sweep_dialect="openai", texts=texts)

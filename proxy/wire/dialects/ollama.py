@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from proxy.record import RequestInfo, StopReason, utf8_text
 from proxy.wire.dialects.base import (
     Dialect,
@@ -25,7 +27,7 @@ from proxy.wire.dialects.base import (
     positive_count,
     read_chat_or_prompt,
 )
-from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
+from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, AnswerText, Event, Finish, ServerTimings, Usage
 
 ROUTES = ("/api/chat", "/api/generate")
 _NS = 1e-9
@@ -68,6 +70,26 @@ def events(obj: Any) -> list[Event]:
     return found
 
 
+def texts(obj: Any) -> list[Event]:
+    """The answer's text (`message.content`, `response`) and each tool call's arguments: Ollama sends
+    a tool call whole, its `arguments` an object, written here as the JSON it is."""
+    if not isinstance(obj, dict):
+        return []
+    message = obj.get("message")
+    part = message if isinstance(message, dict) else obj
+    found: list[Event] = []
+    text = part.get("content") if isinstance(message, dict) else part.get("response")
+    if isinstance(text, str) and text:
+        found.append(AnswerText("content", "0", text))
+    calls = part.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        written = arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+        found.append(AnswerText("arguments", "", written))  # ("": a whole call of its own)
+    return found
+
+
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     model = obj.get("model")
     info.model = utf8_text(model[:200]) if isinstance(model, str) else None
@@ -88,4 +110,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 DIALECT = Dialect(name="ollama", routes=ROUTES, read_request=read_request, events=events,
                   token_keys=(b'"content":"', b'"response":"'), reasoning_keys=(b'"thinking":"',),
-                  streams_by_default=True)
+                  streams_by_default=True, texts=texts)

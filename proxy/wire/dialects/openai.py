@@ -38,7 +38,7 @@ from proxy.wire.dialects.base import (
     read_chat_or_prompt,
     read_common,
 )
-from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, Event, Finish, ServerTimings, Usage
+from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, AnswerText, Event, Finish, ServerTimings, Usage
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
 _MS = 1e-3
@@ -140,6 +140,41 @@ def timings_usage(timings: dict[str, Any]) -> Usage:
                  ignored=out_of_range(timings, "prompt_n", "cache_n", "predicted_n"))
 
 
+def texts(obj: Any) -> list[Event]:
+    """The visible content and each tool call's arguments, of a chunk or a whole answer (chat or
+    completions); a tool call is keyed by its choice and its `index` (the legacy `function_call` by its
+    choice alone)."""
+    found: list[Event] = []
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return found
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        number = as_count(choice.get("index")) or 0
+        part = choice.get("delta")
+        if not isinstance(part, dict):
+            part = choice.get("message")
+        if not isinstance(part, dict):
+            if isinstance(choice.get("text"), str) and choice["text"]:
+                found.append(AnswerText("content", str(number), choice["text"]))
+            continue
+        if isinstance(part.get("content"), str) and part["content"]:
+            found.append(AnswerText("content", str(number), part["content"]))
+        calls = part.get("tool_calls")
+        for position, call in enumerate(calls if isinstance(calls, list) else ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            key = f"{number}:{as_count(call.get('index')) if as_count(call.get('index')) is not None else position}"
+            found.append(AnswerText("arguments", key, arguments if isinstance(arguments, str) else ""))
+        legacy = part.get("function_call")
+        if isinstance(legacy, dict):
+            arguments = legacy.get("arguments")
+            found.append(AnswerText("arguments", f"{number}:function_call", arguments if isinstance(arguments, str)
+                                    else ""))
+    return found
+
+
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_completion_tokens", "max_tokens"))
     info.stop_requested = bool(obj.get("stop"))
@@ -154,4 +189,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 DIALECT = Dialect(name="openai", routes=ROUTES, read_request=read_request, events=events,
                   token_keys=(b'"content":"', b'"text":"'),
-                  reasoning_keys=(b'"reasoning":"', b'"reasoning_content":"'))
+                  reasoning_keys=(b'"reasoning":"', b'"reasoning_content":"'), texts=texts)

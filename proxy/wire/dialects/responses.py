@@ -30,7 +30,7 @@ from proxy.wire.dialects.base import (
     read_messages,
     read_prompt_text,
 )
-from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, ErrorEvent, Event, Finish, Usage
+from proxy.wire.events import ONE_REASONING_TOKEN, ONE_TOKEN, AnswerText, ErrorEvent, Event, Finish, Usage
 
 ROUTES = ("/v1/responses",)
 
@@ -92,6 +92,34 @@ def events(obj: Any) -> list[Event]:
     return []
 
 
+def texts(obj: Any) -> list[Event]:
+    """A stream's text and argument deltas (a call keyed by its item, else its output index), or a
+    whole response's message text and each function call's `arguments`."""
+    if not isinstance(obj, dict):
+        return []
+    kind = obj.get("type")
+    delta = obj.get("delta")
+    if kind == "response.output_text.delta" and isinstance(delta, str):
+        return [AnswerText("content", "0", delta)]
+    if kind in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
+        key = str(obj.get("item_id") or obj.get("output_index"))
+        return [AnswerText("arguments", key, delta if isinstance(delta, str) else "")]
+    if kind is None and obj.get("object") == "response":
+        found: list[Event] = []
+        for position, item in enumerate(obj.get("output") or ()):
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "function_call":
+                arguments = item.get("arguments")
+                found.append(AnswerText("arguments", str(item.get("id") or position),
+                                        arguments if isinstance(arguments, str) else ""))
+            for part in item.get("content") or () if item.get("type") == "message" else ():
+                if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                    found.append(AnswerText("content", "0", part["text"]))
+        return found
+    return []
+
+
 def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
     read_common(obj, info, budget_fields=("max_output_tokens",))
     given = obj.get("input")
@@ -103,4 +131,4 @@ def read_request(obj: dict[str, Any], info: RequestInfo) -> None:
 
 
 DIALECT = Dialect(name="responses", routes=ROUTES, read_request=read_request, events=events,
-                  token_keys=(b'"delta":"',), reasoning_keys=(b'"delta":"',), provider="openai")
+                  token_keys=(b'"delta":"',), reasoning_keys=(b'"delta":"',), provider="openai", texts=texts)

@@ -249,6 +249,17 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyPromptTruncated", job="llm-diag-proxy", model="qwen3:4b")]},
         {"eval_time": "35m", "alertname": "LLMProxyPromptTruncated", "exp_alerts": []},
     ])
+    # --- LLMProxyToolCallsCut
+    case("a tool call cut fires for its model, its JSON answers apart; a model whose calls stay whole does not", [
+        s("llm_proxy_incomplete_answers_total", 'model="qwen3:4b",part="tool_call"', "0x10 1x30"),
+        s("llm_proxy_incomplete_answers_total", 'model="qwen3:4b",part="json"', "0x10 3x30"),
+        s("llm_proxy_incomplete_answers_total", 'model="llama3.2",part="tool_call"', "0x40"),
+    ], [
+        {"eval_time": "5m", "alertname": "LLMProxyToolCallsCut", "exp_alerts": []},
+        {"eval_time": "15m", "alertname": "LLMProxyToolCallsCut",
+         "exp_alerts": [fired("LLMProxyToolCallsCut", job="llm-diag-proxy", model="qwen3:4b")]},
+        {"eval_time": "35m", "alertname": "LLMProxyToolCallsCut", "exp_alerts": []},
+    ])
     # --- LLMProxyGPUMemoryNearlyFull
     case("a GPU with under 3% free for 5 minutes fires; vLLM's usual 10% headroom does not", [
         s("llm_proxy_gpu_memory_free_bytes", G0, "8e9x5 1e9x20"),
