@@ -172,6 +172,7 @@ class ResponseRecord:
     answer_complete: bool | None = None
     incomplete_part: Literal["tool_call", "json"] | None = None  # which part was not whole
     incomplete_detail: str | None = None  # why not, or why it could not be checked (never the text itself)
+    usage_mismatch: str | None = None  # the server's own counts that cannot both be true, with both numbers
     user_turn: bool | None = None  # the chat carried a user message (None: not a chat, or not read)
     # the server's report (usage), its tokenizer, or the count in its refusal of an over-long prompt
     prompt_tokens_source: Literal["usage", "tokenizer", "server_error"] | None = None

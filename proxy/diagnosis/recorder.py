@@ -35,6 +35,7 @@ from proxy.record import (
 from proxy.servers.base import UNKNOWN_SERVER, ServerIdentity, TokenizerQuery
 from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
+from proxy.wire.events import Usage
 from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.parsers import load_json, parser_for
 
@@ -74,6 +75,27 @@ def read_request(dialect: Dialect, body: bytes | bytearray) -> RequestInfo:
     except Exception as exc:  # a field of an unexpected shape: noted, and the request goes on unchanged
         info.body_note = f"request field not understood: {type(exc).__name__}"
     return info
+
+
+# A stream may carry output the proxy does not see as a piece (an EOS, a special token that shows no
+# text) while its server counts it: this many counted tokens beyond none delivered prove nothing.
+UNSEEN_TOKENS = 8
+
+
+def usage_mismatch(usage: Usage | None, delivered: int | None) -> str | None:
+    """The server's counts, where they cannot all be true: more reasoning than output (SGLang
+    #39826), or output counted on a stream that delivered none of it (lmstudio-bug-tracker#2339;
+    speculative decoding reporting the whole budget, ik_llama.cpp#2358, where the stream carried
+    nothing). A stream that delivered pieces is not compared with a count: a piece may carry several
+    tokens, so its count bounds the tokens from below only."""
+    if usage is None or usage.completion_tokens is None:
+        return None
+    output, reasoning = usage.completion_tokens, usage.reasoning_tokens
+    if reasoning is not None and reasoning > output:
+        return f"reasoning_tokens {reasoning:,} exceed completion_tokens {output:,}"
+    if delivered == 0 and output > UNSEEN_TOKENS:
+        return f"completion_tokens {output:,}, while the stream delivered no output at all"
+    return None
 
 
 class Recorder:
@@ -400,6 +422,7 @@ class Recorder:
             record.reasoning_tokens = record.output_tokens
         elif tally.streaming and record.output_tokens is not None:
             record.reasoning_tokens = tally.reasoning  # what the stream showed: 0 when it showed none
+        record.usage_mismatch = usage_mismatch(usage, tally.tokens if tally.streaming else None)
         output, reasoning = record.output_tokens, record.reasoning_tokens
         if output is None or reasoning is None:
             return

@@ -70,7 +70,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     """The body of /api/diagnose: the records of the history that match `query` (or the ring's,
     sent as JSON arrays in `blobs`), grouped (`by` instance, upstream or model too) and judged as
     `llm-diag-proxy diagnose` does; the sweeps it suggests go through `target`, joined by `admin`."""
-    from proxy.sweep.live import compare, groups_of, verdict_json
+    from proxy.sweep.live import compare, count_lines, groups_of, verdict_json
     from proxy.sweep.timeouts import repeated_cuts
     from proxy.sweep.whose import lines as whose_lines
 
@@ -88,7 +88,7 @@ def diagnose(source: HistorySource | None, query: RecordQuery, min_per_level: in
     if skipped:  # rows no record can be read from (another version's, or damaged): left out, said
         found["skipped"] = skipped
     found["timeouts"] = [cut.to_dict() for cut in repeated_cuts(records)]
-    found["whose"] = whose_lines(records)
+    found["whose"] = whose_lines(records) + count_lines(records)
     if query.instance is not None:
         found["instance"] = query.instance
     if by is not None:

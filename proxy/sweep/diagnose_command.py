@@ -26,7 +26,7 @@ import orjson
 from proxy.config import CliError, ConfigError, flag_type, parse_duration, parse_positive_int, parse_upstream_url
 from proxy.observers.record_store import RecordQuery
 from proxy.record import ResponseRecord, record_from_dict
-from proxy.sweep import export, table, timeouts, whose
+from proxy.sweep import export, live, table, timeouts, whose
 from proxy.sweep.live import BY, MIN_PER_LEVEL, OBSERVATIONAL, Group, compare, explain, groups_of, needs_action_first
 from proxy.sweep.session import exit_code
 from proxy.sweep.stats import by_level
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"llm-diag-proxy diagnose: {len(records)} records since "
               f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))} from {where}\n")
-    findings = timeouts.lines(records) + whose.lines(records)
+    findings = timeouts.lines(records) + whose.lines(records) + live.count_lines(records)
     if not groups:
         out.write("".join(line + "\n" for line in findings))
         out.write(f"VERDICT (insufficient_data): no model and budget band has records at two concurrency levels "

@@ -217,3 +217,19 @@ def verdict_json(groups: Sequence[Group], *, since: float, records: int, source:
                     "verdict": g.verdict.to_dict(),
                     "sweep": (None if g.verdict.kind in NO_EFFECT else sweep_command(g, target, admin))}
                    for g in needs_action_first(groups)]}
+
+
+def count_lines(records: Sequence[ResponseRecord]) -> list[str]:
+    """Servers whose own counts cannot be trusted: per upstream, the answers whose usage cannot all be
+    true (`usage_mismatch`), with one of them said."""
+    mismatched: dict[str, list[ResponseRecord]] = {}
+    answered: Counter[str] = Counter()
+    for record in records:
+        if record.outcome == "not_inference":
+            continue
+        answered[record.upstream or "?"] += 1
+        if record.usage_mismatch:
+            mismatched.setdefault(record.upstream or "?", []).append(record)
+    return [f"{upstream}: {len(bad)} of {answered[upstream]} answers carry counts that cannot all be true "
+            f"({bad[-1].usage_mismatch}): its usage is not to be trusted for them"
+            for upstream, bad in sorted(mismatched.items(), key=lambda item: -len(item[1]))]

@@ -143,3 +143,41 @@ def test_past_the_cap_the_check_is_not_made_and_says_why(monkeypatch: pytest.Mon
     record = recorded("/v1/chat/completions", chat(200, tools=TOOLS),
                       vllm_tool_stream([ARGUMENTS[:10], ARGUMENTS[10:]], "tool_calls", 12))
     assert record.answer_complete is None and "not checked" in (record.incomplete_detail or "")
+
+
+# --- counts that cannot all be true ---------------------------------------------------------------------
+def test_reasoning_above_the_output_is_a_usage_mismatch() -> None:
+    """SGLang #39826: reasoning_tokens above completion_tokens."""
+    usage = usage_chunk(10, 512)
+    usage["usage"]["completion_tokens_details"] = {"reasoning_tokens": 900}
+    stream = [sse(chat_chunk("", role=True)), sse(chat_chunk("hi")), sse(chat_chunk(None, "stop")), sse(usage), DONE]
+    record = recorded("/v1/chat/completions", chat(1000), stream)
+    assert record.usage_mismatch == "reasoning_tokens 900 exceed completion_tokens 512"
+
+
+def test_output_counted_on_a_stream_that_delivered_none_is_a_usage_mismatch() -> None:
+    """Usage counting tokens while no text arrives (lmstudio-bug-tracker#2339; speculative decoding
+    that reports the whole budget, ik_llama.cpp#2358)."""
+    stream = [sse(chat_chunk("", role=True)), sse(chat_chunk(None, "length")), sse(usage_chunk(10, 4096)), DONE]
+    record = recorded("/v1/chat/completions", chat(4096), stream)
+    assert record.usage_mismatch is not None and "4,096" in record.usage_mismatch
+
+
+def test_pieces_that_carry_several_tokens_each_are_no_mismatch() -> None:
+    """A piece is at least one token, so fewer pieces than counted tokens is what several tokens a
+    chunk look like (speculative decoding that counts right), not a mismatch."""
+    stream = [sse(chat_chunk("", role=True)), sse(chat_chunk("a b c d")), sse(chat_chunk(None, "stop")),
+              sse(usage_chunk(10, 40)), DONE]
+    assert recorded("/v1/chat/completions", chat(100), stream).usage_mismatch is None
+
+
+def test_the_live_verdict_names_a_server_whose_counts_cannot_be_trusted() -> None:
+    from proxy.sweep.live import count_lines
+
+    good = ResponseRecord(request_id="a", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
+                          dialect="openai", started_at=0.0, stop_reason="eos", upstream="http://a:8000")
+    bad = ResponseRecord(request_id="b", method="POST", path="/v1/chat/completions", route="/v1/chat/completions",
+                         dialect="openai", started_at=0.0, stop_reason="eos", upstream="http://b:8000",
+                         usage_mismatch="reasoning_tokens 900 exceed completion_tokens 512")
+    (line,) = count_lines([good, bad, good])
+    assert line.startswith("http://b:8000: 1 of 1 answers") and "not to be trusted" in line
