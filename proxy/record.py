@@ -46,7 +46,10 @@ OUTCOMES: tuple[str, ...] = Outcome.__args__  # type: ignore[attr-defined]
 CUT_CAUSES: tuple[str, ...] = (
     "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
     "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
-    "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated", "answer_incomplete")
+    "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated", "answer_incomplete",
+    "model_unloaded")
+# Ends that a model leaving while the answer ran explains: the answer stopped with no word of why.
+_UNLOADED_ENDS = frozenset({"upstream_disconnect", "interrupted", "not_generated", "upstream_error", "unknown"})
 CAUSES: tuple[str, ...] = (
     "eos", "stop_sequence", "tool_calls", "requested_budget", *CUT_CAUSES, "client_disconnect", "http_4xx",
     "no_user_turn", "length_unknown", "unknown", "not_inference")
@@ -127,7 +130,8 @@ class RequestInfo:
 # by the name of the record field each fills (written by the diagnosis; one left out or None leaves
 # the field as it is).
 DuringField = Literal["gpu", "vram_free_min_bytes", "vram_used_max_bytes", "upstream_running_max",
-                     "upstream_waiting_max", "kv_cache_usage_max", "preemptions_during", "preemptions_scope"]
+                     "upstream_waiting_max", "kv_cache_usage_max", "preemptions_during", "preemptions_scope",
+                     "model_unloaded"]
 DURING_FIELDS: tuple[str, ...] = DuringField.__args__  # type: ignore[attr-defined]
 ServerDuring = dict[DuringField, "str | int | float | None"]
 
@@ -218,6 +222,7 @@ class ResponseRecord:
     kv_cache_usage_max: float | None = None
     preemptions_during: float | None = None
     preemptions_scope: str | None = None
+    model_unloaded: bool | None = None  # the server's own state showed the answer's model gone while it ran
     observer_errors: list[str] = field(default_factory=list)
     # Values read from the wire but not taken, out of any sane range (`prompt_eval_count=-5`): "not said"
     values_ignored: str | None = None
@@ -257,6 +262,8 @@ class ResponseRecord:
         stop = self.stop_reason
         if self.route == "other":
             return "not_inference"
+        if self.model_unloaded and stop in _UNLOADED_ENDS:
+            return "model_unloaded"  # its model was unloaded, swapped or evicted while it ran
         if stop == "length":
             if self.length_cause == "requested_budget":
                 return "requested_budget"

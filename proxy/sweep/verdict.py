@@ -365,6 +365,8 @@ CAUSE_WORDS: dict[str, str] = {
     "answer_incomplete:tool_call": "answers said they ended, but a tool call's arguments are not whole JSON: "
                                    "the agent cannot use them",
     "answer_incomplete:json": "answers asked to be JSON said they ended, but their JSON is not whole",
+    "model_unloaded": "the server unloaded, swapped or evicted the model while answers ran (its own list of "
+                      "loaded models stopped naming it), and they broke off",
 }
 
 
@@ -389,6 +391,9 @@ CAUSE_ADVICE: dict[str, str] = {
                                    "tool_calls, vllm#53269) and treat a call whose arguments do not parse as cut",
     "answer_incomplete:json": "check the server's structured-output backend (it ended inside the JSON) and give "
                               "the answer room to close it",
+    "model_unloaded": "keep the model loaded while it serves: more memory for the models in rotation (Ollama "
+                      "OLLAMA_MAX_LOADED_MODELS, llama.cpp's router --models-max), a longer keep-alive, or one "
+                      "model per server",
 }
 
 

@@ -275,3 +275,22 @@ async def test_diagnose_names_prompts_cut_under_load_from_live_records(
     assert process.returncode == 0, err.decode()
     assert "VERDICT (serving_defect): prompts are cut on the way in from concurrency 4" in text, text
     assert re.search(r"prompt_truncated \d+", text) and "llm-diag-proxy sweep" in text
+
+
+async def test_a_model_unloaded_under_its_answer_is_named(fake: FakeOllama, make_proxy: ProxyFactory) -> None:
+    """/api/ps listed the model when the answer began and not while it ran (ollama#8398: a cancelled
+    load cancels the requests waiting on it), and the stream broke: the cause is model_unloaded."""
+    fake.unload_mid_answer = True
+    fake.answer = 20
+    fake.token_delay_s = 0.05
+    running = await make_proxy(fake.url, upstream_metrics="ollama", upstream_metrics_interval_s=0.05)
+    for _ in range(200):
+        if running.telemetry.upstream_ring is not None and len(running.telemetry.upstream_ring):
+            break
+        await asyncio.sleep(0.01)
+    client = ollama.AsyncClient(host=running.proxy_url, headers={"X-Request-Id": "unloaded"})
+    with pytest.raises(Exception):  # noqa: B017 (the client sees the break as the server made it)
+        [part async for part in await client.chat(model=MODEL, messages=LONG_CHAT[:2], stream=True)]
+    record = await record_for(running, "unloaded")
+    assert (record.stop_reason, record.model_unloaded, record.cause, record.outcome) == (
+        "upstream_disconnect", True, "model_unloaded", "cut")

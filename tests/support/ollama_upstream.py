@@ -53,6 +53,8 @@ class FakeOllama(LoopbackApp):
     in_flight: int = 0
     prompts: list[int] = field(default_factory=list)  # prompt_eval_count of each chat answered
     template: str | None = TEMPLATE  # what /api/show says (None: a built-in renderer, no template shown)
+    loaded: bool = True  # /api/ps lists the model
+    unload_mid_answer: bool = False  # an answer's model is unloaded halfway, and its stream broken (#8398)
     server: TestServer | None = None
 
     def add_routes(self, app: web.Application) -> None:
@@ -66,6 +68,8 @@ class FakeOllama(LoopbackApp):
         return web.json_response({"version": VERSION})
 
     async def _ps(self, request: web.Request) -> web.Response:
+        if not self.loaded:
+            return web.json_response({"models": []})
         return web.json_response({"models": [{
             "name": MODEL, "model": MODEL, "size": 3_000_000_000, "size_vram": 3_000_000_000,
             "digest": "sha256:0", "details": {}, "expires_at": "2026-12-05T00:00:00Z",
@@ -159,9 +163,17 @@ class FakeOllama(LoopbackApp):
     async def _ndjson(self, request: web.Request, lines: list[dict[str, Any]]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        for line in lines:
+        for number, line in enumerate(lines):
             await asyncio.sleep(self.token_delay_s)
             await response.write(orjson.dumps(line) + b"\n")
+            if self.unload_mid_answer and number == len(lines) // 2:
+                # The model leaves under the answer (a load cancelled, an eviction): /api/ps stops
+                # listing it, and the runner's stream ends without a final line.
+                self.loaded = False
+                await asyncio.sleep(0.3)
+                assert request.transport is not None
+                request.transport.close()
+                return response
         await response.write_eof()
         return response
 

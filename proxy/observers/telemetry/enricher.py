@@ -52,7 +52,35 @@ class TelemetryEnricher:
         facts: ServerDuring = self._gpu(t0, t1) if self.gpu_ring is not None else {}
         if self.upstream_ring is not None and _ran_upstream(record):
             facts.update(self._upstream(t0, t1))
+            if record.model is not None and self._unloaded(record.model, t0, t1):
+                facts["model_unloaded"] = True
         return facts or None
+
+    def _unloaded(self, model: str, t0: float, t1: float) -> bool:
+        """The server's own list of what it runs (Ollama's `/api/ps`, a llama.cpp router's `/v1/models`)
+        showed the answer's model, then, in a sample taken while the answer ran, no longer did: it was
+        unloaded, swapped or evicted under it. A server that lists nothing, or a model it never listed
+        in the answer's time (one still loading), proves nothing."""
+        ring = self.upstream_ring
+        assert ring is not None
+        first = ring.index_at_or_before(t0)
+        last = ring.index_at_or_before(t1)
+        if last is None:
+            return False
+        if first is None:
+            first = 0
+        elif t0 - ring.stamp(first) > self.upstream_max_age:  # (too old to say it ran at the start)
+            first += 1
+        names = (model, f"{model}:latest") if ":" not in model else (model,)
+        listed = False
+        for stamp, state in ring.span(first, last):
+            if state.loaded is None:
+                continue
+            if any(name in state.loaded for name in names):
+                listed = True
+            elif listed and stamp >= t0:
+                return True
+        return False
 
     def _gpu(self, t0: float, t1: float) -> ServerDuring:
         assert self.gpu_ring is not None

@@ -11,7 +11,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -74,6 +74,7 @@ class UpstreamState:
     requests_finished_total: float | None = None
     models: tuple[LoadedModel, ...] = ()
     lists_models: bool = False  # a list of loaded models (Ollama's /api/ps), not a metrics page
+    loaded: tuple[str, ...] | None = None  # the models it runs now, where it says (Ollama, a llama.cpp router)
 
 
 def _sample_lines(text: str) -> str:
@@ -164,7 +165,9 @@ def parse_ollama_ps(body: bytes) -> UpstreamState:
         if not isinstance(name, str) or size is None or vram is None:
             raise ValueError("a 'models' entry lacks name, size or size_vram")
         models.append(LoadedModel(name, size, vram, _int(item.get("context_length"))))
-    return UpstreamState(source=OLLAMA_KIND, lists_models=True, models=tuple(models))
+    names = tuple(dict.fromkeys(name for item in data["models"] if isinstance(item, dict)
+                                for name in (item.get("name"), item.get("model")) if isinstance(name, str)))
+    return UpstreamState(source=OLLAMA_KIND, lists_models=True, models=tuple(models), loaded=names)
 
 
 class UpstreamSeries:
@@ -297,9 +300,10 @@ class UpstreamPoller:
             listing = orjson.loads(await self._get("/v1/models"))
         except orjson.JSONDecodeError:
             raise UpstreamFetchError("parse", "/v1/models of the llama.cpp router is not JSON") from None
+        names = loaded_models(listing)
         states = [await self._metrics(f"/metrics?model={quote(name, safe='')}&autoload=false")
-                  for name in loaded_models(listing)[:ROUTER_MODELS_MAX]]
-        return combined(states, LLAMACPP.kind)
+                  for name in names[:ROUTER_MODELS_MAX]]
+        return replace(combined(states, LLAMACPP.kind), loaded=tuple(names))
 
     async def fetch(self, kind: TelemetryRead) -> UpstreamState:
         """One read of the upstream's state; raises UpstreamFetchError."""

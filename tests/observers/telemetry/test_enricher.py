@@ -163,3 +163,35 @@ def test_disabled_telemetry_leaves_every_field_empty() -> None:
     observe(rec)
     assert (rec.gpu, rec.vram_free_min_bytes, rec.upstream_running_max, rec.kv_cache_usage_max,
             rec.preemptions_during) == (None, None, None, None, None)
+
+
+# --- a model that left while the answer ran -------------------------------------------------------------
+def listed(*names: str) -> UpstreamState:
+    return UpstreamState("ollama", lists_models=True, loaded=names)
+
+
+def unloaded_of(model: str, *samples: tuple[float, UpstreamState]) -> bool | None:
+    rec = record(100.0, 3.0)
+    rec.model, rec.stop_reason = model, "upstream_disconnect"
+    observe(rec, upstream=upstream_ring(*samples))
+    return rec.model_unloaded
+
+
+def test_a_model_listed_at_the_start_and_gone_during_the_answer_was_unloaded() -> None:
+    assert unloaded_of("qwen3:4b", (99.8, listed("qwen3:4b")), (101.0, listed("llama3.2:latest"))) is True
+    assert unloaded_of("llama3.2", (100.5, listed("llama3.2:latest")), (102.0, listed())) is True  # (its tag)
+
+
+def test_nothing_is_said_without_proof() -> None:
+    assert unloaded_of("m", (101.0, listed())) is None  # never listed in its time: it may be loading
+    assert unloaded_of("m", (90.0, listed("m")), (101.0, listed())) is None  # listed long before it began
+    assert unloaded_of("m", (99.8, listed("m")), (101.0, listed("m"))) is None  # still there
+    assert unloaded_of("m", (99.8, state(1, 0, 0.5, 0)), (101.0, state(1, 0, 0.5, 0))) is None  # lists nothing
+
+
+def test_an_answer_whose_model_left_has_the_cause_model_unloaded() -> None:
+    rec = record(100.0, 3.0)
+    rec.model, rec.stop_reason, rec.model_unloaded = "m", "upstream_disconnect", True
+    assert (rec.cause, rec.outcome) == ("model_unloaded", "cut")
+    rec.stop_reason = "eos"  # a whole answer is whole, whatever happened after
+    assert rec.cause == "eos"
