@@ -87,4 +87,8 @@ def judge(record: ResponseRecord, info: RequestInfo, texts: AnswerTexts | None) 
             record.incomplete_detail = (f"the answer asked to be JSON is not whole JSON ({size:,} bytes) though the "
                                         f"server said {record.finish_reason_raw!r}")
         return
-    record.answer_complete = record.stop_reason in COMPLETE_STOP_REASONS or None
+    # Whole calls in a stream the server ended itself without a reason (vLLM's `finish_reason: null`
+    # with tools, vllm#27572) are whole: what the server sent can be used. A break leaves it open.
+    ended_by_server = record.stop_reason in COMPLETE_STOP_REASONS or (
+        bool(calls) and record.stop_reason == "interrupted")
+    record.answer_complete = ended_by_server or None

@@ -99,3 +99,48 @@ async def test_anthropics_tool_input_cut_at_max_tokens(upstream: ScriptedUpstrea
             pass
     record = await record_for(running, "anthropic-cut")
     assert (record.stop_reason, record.answer_complete, record.incomplete_part) == ("length", False, "tool_call")
+
+
+def tool_stream_without_finish(pieces: list[str], completion_tokens: int) -> list[bytes]:
+    """vLLM's stream with tools that ends `finish_reason: null`, then usage and [DONE] (vllm#27572:
+    granite-3-8b with `tool_choice: auto`, the last chunk's finish_reason intermittently null)."""
+    chunks = tool_stream(pieces, "tool_calls", completion_tokens)
+    return [chunk for chunk in chunks if b'"finish_reason":"tool_calls"' not in chunk]
+
+
+async def test_a_tool_stream_without_a_finish_reason_says_the_server_gave_none(upstream: ScriptedUpstream,
+                                                                               make_proxy: ProxyFactory) -> None:
+    """Whole arguments below the budget: usable, and the stop is not named eos on a guess. Cut arguments
+    at the budget: the budget cut it, whatever the missing finish reason."""
+    upstream.push(Script(chunks=tool_stream_without_finish(['{"city": ', '"Canberra"}'], 9)))
+    upstream.push(Script(chunks=tool_stream_without_finish(['{"city": "Can', 'berra", "un'], 16)))
+    running = await make_proxy(upstream.url)
+    for rid in ("null-whole", "null-cut"):
+        client = openai.AsyncOpenAI(base_url=running.proxy_url + "/v1", api_key="k", max_retries=0,
+                                    default_headers={"X-Request-Id": rid})
+        chunks = [c async for c in await client.chat.completions.create(
+            model="m", messages=MESSAGES, tools=TOOLS, max_tokens=16, stream=True,
+            stream_options={"include_usage": True})]
+        assert all(c.choices[0].finish_reason is None for c in chunks if c.choices)
+    whole, cut = await record_for(running, "null-whole"), await record_for(running, "null-cut")
+    assert whole.finish_reason_raw is None and whole.stop_reason != "eos"
+    assert (whole.answer_complete, whole.output_tokens) == (True, 9)
+    assert (cut.stop_reason, cut.length_cause, cut.answer_complete, cut.incomplete_part) == (
+        "length", "requested_budget", False, "tool_call")
+
+
+async def test_output_counted_on_a_stream_that_delivered_none_is_a_mismatch(upstream: ScriptedUpstream,
+                                                                           make_proxy: ProxyFactory) -> None:
+    """Usage above what the stream delivered: speculative decoding charging the whole budget while the
+    emission stopped early (ik_llama.cpp PR #2358), at its extreme, an LM Studio-like stream that
+    carried no output while its usage counts the budget (lmstudio-bug-tracker#2339). A stream that
+    delivered some pieces is not compared: a piece may carry several tokens."""
+    upstream.push(Script(chunks=[sse(chat_chunk("", role=True)), sse(chat_chunk(None, "length")),
+                                 sse(usage_chunk(30, 64)), DONE]))
+    running = await make_proxy(upstream.url)
+    client = openai.AsyncOpenAI(base_url=running.proxy_url + "/v1", api_key="k", max_retries=0,
+                                default_headers={"X-Request-Id": "spec"})
+    [c async for c in await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=64,
+                                                               stream=True, stream_options={"include_usage": True})]
+    record = await record_for(running, "spec")
+    assert record.usage_mismatch == "completion_tokens 64, while the stream delivered no output at all"
