@@ -1,4 +1,5 @@
-"""The upstream server's own view of its load: vLLM-style `/metrics` or Ollama's `/api/ps`.
+"""The upstream server's own view of its load: vLLM-style `/metrics`, or a list of the models it runs
+(Ollama's `/api/ps`, LM Studio's `/api/v0/models`).
 
 Parsing is pure (text or JSON in, `UpstreamState` out); the poller does the HTTP, keeps
 the states in a ring and re-exports them through the `llm_proxy_upstream_*` gauges.
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observers.metrics import ProcessMetrics
 from proxy.observers.telemetry.samples import SampleRing
-from proxy.servers import SERVERS, server_of
+from proxy.servers import SERVERS, lmstudio, server_of
 from proxy.servers.answers import AnswerTooLarge, read_whole
 from proxy.servers.base import MetricNames, TelemetryRead
 from proxy.servers.llamacpp import SERVER as LLAMACPP
@@ -65,7 +66,7 @@ class UpstreamState:
     usage is the maximum, since an engine that is full is what queues requests.
     """
 
-    source: str  # the server kind that said it: vllm | sglang | llamacpp | ollama
+    source: str  # the server kind that said it: vllm | sglang | llamacpp | ollama | lmstudio
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
@@ -74,7 +75,8 @@ class UpstreamState:
     requests_finished_total: float | None = None
     models: tuple[LoadedModel, ...] = ()
     lists_models: bool = False  # a list of loaded models (Ollama's /api/ps), not a metrics page
-    loaded: tuple[str, ...] | None = None  # the models it runs now, where it says (Ollama, a llama.cpp router)
+    loaded: tuple[str, ...] | None = None  # the models it runs now, where it says (Ollama, a llama.cpp router,
+    # LM Studio)
 
 
 def _sample_lines(text: str) -> str:
@@ -253,6 +255,7 @@ class UpstreamPoller:
         self.series = UpstreamSeries(metrics)
         self.kind: TelemetryRead | None = None if mode == "auto" else server_of(mode).telemetry_read
         self.router: bool | None = None  # llama.cpp's router: /metrics per loaded model (None: not known)
+        self.lists_at: str | None = None  # where the list of loaded models was read: /api/ps, LM Studio's
         self._logged: set[str] = set()
         self._failures = 0
         self._mismatches = 0  # failed polls in a row where the server answered something else
@@ -319,11 +322,30 @@ class UpstreamPoller:
                     raise
             self.router = True
             return await self._router_state()
-        body = await self._get("/api/ps")
+        if self.lists_at != lmstudio.MODELS_PATH:
+            try:
+                body = await self._get("/api/ps")
+            except UpstreamFetchError as exc:
+                if exc.kind != "http_404" or self.lists_at == "/api/ps":
+                    raise
+                return await self._lmstudio_state()  # no /api/ps: LM Studio's own list, perhaps
+            try:
+                state = parse_ollama_ps(body)
+            except ValueError as exc:
+                raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
+            self.lists_at = "/api/ps"
+            return state
+        return await self._lmstudio_state()
+
+    async def _lmstudio_state(self) -> UpstreamState:
+        """LM Studio's list of its models (`/api/v0/models`): which it runs now, nothing more."""
+        body = await self._get(lmstudio.MODELS_PATH)
         try:
-            return parse_ollama_ps(body)
-        except ValueError as exc:
-            raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
+            names = lmstudio.loaded_models(orjson.loads(body))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            raise UpstreamFetchError("parse", f"{lmstudio.MODELS_PATH}: {exc}"[:300]) from None
+        self.lists_at = lmstudio.MODELS_PATH
+        return UpstreamState(source=lmstudio.KIND, loaded=names)
 
     async def detect(self) -> TelemetryRead | None:
         """Which of the two the upstream serves: /metrics first (vLLM names), then /api/ps."""
@@ -343,7 +365,8 @@ class UpstreamPoller:
         if "detect" not in self._logged:
             self._logged.add("detect")
             _log.warning("upstream_telemetry_unavailable", upstream=self.upstream, reason="; ".join(reasons),
-                         note=f"neither vLLM-style /metrics nor Ollama /api/ps answered; "
+                         note=f"neither vLLM-style /metrics nor a list of loaded models (Ollama's /api/ps, "
+                              f"LM Studio's /api/v0/models) answered; "
                               f"trying again every {self.redetect_s:g} s")
         return None
 
@@ -368,17 +391,20 @@ class UpstreamPoller:
             self._mismatches = self._mismatches + 1 if exc.kind in _MISMATCH_KINDS else 0
             self._up = False
             self.series.unknown()
-            self.series.up(OLLAMA_KIND if self.kind == "loaded_models" else self._metrics_source(), 0)
+            self.series.up(self._list_source() if self.kind == "loaded_models" else self._metrics_source(), 0)
             if exc.kind not in self._logged:
                 self._logged.add(exc.kind)
                 _log.warning("upstream_telemetry_error", upstream=self.upstream, error=exc.kind,
                              detail=str(exc))
             if self.mode == "auto" and self._mismatches >= self.redetect_after:
                 self.kind = None
-                self.router = None
+                self.router = self.lists_at = None
             return False
         self._store(state)
         return True
+
+    def _list_source(self) -> str:
+        return lmstudio.KIND if self.lists_at == lmstudio.MODELS_PATH else OLLAMA_KIND
 
     def _metrics_source(self) -> str:
         latest = self.ring.latest()
