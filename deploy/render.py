@@ -297,7 +297,27 @@ def panels() -> list[dict[str, Any]]:
               "and json (an answer asked to be JSON that is not). Records: /api/requests?model=... "
               "(answer_complete false, incomplete_detail).", (0, 72, 24, 7),
               [(f"sum by (model, part) ({counted('llm_proxy_incomplete_answers', JIM)})", "{{part}}: {{model}}")]),
-        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 79, "w": 24, "h": 4},
+        panel("timeseries", "Queue time in the server, as it says", "How long requests waited in the server's own "
+              "queue before it scheduled them, as the server measured it (vLLM's spans with --server-traces on, "
+              "its per-request metrics, Ollama's durations), p50 and p95 by model: the load, measured where it "
+              "happens. Records: /api/requests?model=... (queue_time_s, queue_time_source).", (0, 79, 8, 7),
+              [(quantile(0.5, "llm_proxy_server_queue_seconds", JIM, by="model"), "p50 {{model}}"),
+               (quantile(0.95, "llm_proxy_server_queue_seconds", JIM, by="model"), "p95 {{model}}")], unit="s"),
+        panel("timeseries", "Answers the server finished that did not arrive", "Answers per interval that the "
+              "server finished (its span says so) while the stream the proxy relayed broke before its end: the "
+              "cut is between the server's engine and the proxy (its HTTP layer, a gateway, a load balancer, a "
+              "timeout on that path). Records: /api/requests?cause=undelivered.", (8, 79, 8, 7),
+              [(f"sum by (model) ({counted('llm_proxy_undelivered_answers', JIM)})", "{{model}}")],
+              links=[records_link("cause=undelivered")]),
+        panel("timeseries", "Server time after the client left", "For answers the server ran to their end after "
+              "their client left (its span), how long it went on: capacity spent on no one (p95 by model), and "
+              "how many per interval. Records: /api/requests?stop_reason=client_disconnect "
+              "(server_after_disconnect_s).", (16, 79, 8, 7),
+              [(quantile(0.95, "llm_proxy_server_after_disconnect_seconds", JIM, by="model"), "p95 {{model}}"),
+               ("sum by (model) ("
+                f"{from_birth('llm_proxy_server_after_disconnect_seconds', JIM, '_count', per_second=False)})",
+                "answers {{model}}")], unit="s", overrides=[right_axis("answers .*", "short")]),
+        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 86, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
              "Every response has a record on the proxy's admin port (the `admin_url` variable above, default "
              "http://127.0.0.1:9464): `/api/requests?outcome=cut` lists the answers the serving layer cut, "

@@ -226,6 +226,12 @@ class ProxyConfig:
     upstream_metrics: Literal["auto", "vllm", "ollama", "off"] = "auto"
     upstream_metrics_interval_s: float = 1.0
     server_tokenizer: bool = True  # ask the upstream's tokenizer when the wire leaves a length stop open
+    server_traces: bool = False  # take the server's request spans at POST /v1/traces on the admin listener
+    server_traces_wait_s: float = 10.0  # how long a finished record waits for its span
+    # The admission gate (off unless max_in_flight is set, here or through the admin API at run time).
+    max_in_flight: int | None = None
+    queue_max: int = 1024
+    queue_timeout_s: float | None = None
     connect_timeout_s: float = 10.0
     backlog: int = 2048  # the listen queue: a burst of connects beyond it is reset by the kernel
     header_timeout_s: float = 15.0  # a connection's time to send a whole request head (and idle keep-alive)

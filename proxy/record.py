@@ -47,7 +47,7 @@ CUT_CAUSES: tuple[str, ...] = (
     "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
     "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
     "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated", "answer_incomplete",
-    "model_unloaded")
+    "model_unloaded", "undelivered")
 # Ends that a model leaving while the answer ran explains: the answer stopped with no word of why.
 _UNLOADED_ENDS = frozenset({"upstream_disconnect", "interrupted", "not_generated", "upstream_error", "unknown"})
 CAUSES: tuple[str, ...] = (
@@ -66,7 +66,7 @@ LengthCause = Literal["requested_budget", "server_limit", "unknown"]
 # count was only a lower bound, `none` for one with no count at all, `request_unread` when the proxy
 # could not read what budget the client asked for (over the parse cap, not JSON).
 LengthCauseSource = Literal["output_count", "no_budget", "server_finish", "server_tokenizer", "counted", "none",
-                            "request_unread"]
+                            "request_unread", "server_trace"]
 UpstreamErrorKind = Literal["http_status", "connect", "timeout", "reset", "oom", "error_event", "abort",
                             "context_exhausted", "exceeds_context"]
 UPSTREAM_ERROR_KINDS: tuple[str, ...] = UpstreamErrorKind.__args__  # type: ignore[attr-defined]
@@ -131,7 +131,7 @@ class RequestInfo:
 # the field as it is).
 DuringField = Literal["gpu", "vram_free_min_bytes", "vram_used_max_bytes", "upstream_running_max",
                      "upstream_waiting_max", "kv_cache_usage_max", "preemptions_during", "preemptions_scope",
-                     "model_unloaded"]
+                     "model_unloaded", "kv_blocks_held", "kv_pool_share"]
 DURING_FIELDS: tuple[str, ...] = DuringField.__args__  # type: ignore[attr-defined]
 ServerDuring = dict[DuringField, "str | int | float | None"]
 
@@ -159,7 +159,7 @@ class ResponseRecord:
     status: int | None = None
     requested_max_tokens: int | None = None
     output_tokens: int | None = None
-    tokens_source: Literal["usage", "counted", "none"] = "none"
+    tokens_source: Literal["usage", "counted", "none", "server_trace"] = "none"
     prompt_tokens: int | None = None
     reasoning_tokens: int | None = None  # of output_tokens, spent thinking (the server's count, else counted)
     visible_tokens: int | None = None  # output_tokens minus reasoning_tokens: the answer the user sees
@@ -179,15 +179,18 @@ class ResponseRecord:
     usage_mismatch: str | None = None  # the server's own counts that cannot both be true, with both numbers
     user_turn: bool | None = None  # the chat carried a user message (None: not a chat, or not read)
     # the server's report (usage), its tokenizer, or the count in its refusal of an over-long prompt
-    prompt_tokens_source: Literal["usage", "tokenizer", "server_error"] | None = None
+    prompt_tokens_source: Literal["usage", "tokenizer", "server_error", "server_trace"] | None = None
     context_tokens: int | None = None  # the context the server gives one request, where it says
     prompt_truncated: bool | None = None  # the server cut the prompt on the way in; None: cannot know
     prompt_truncated_detail: str | None = None  # how that was decided
     concurrency_at_start: int = 0
     concurrency_peak: int = 0
     concurrency_mean: float = 0.0
+    # How long it waited before it ran: at the proxy's admission gate (`proxy`, --max-in-flight) where
+    # the gate held it, else in the server's own queue (the sources of `server_queue_s`).
     queue_time_s: float | None = None
     queue_time_source: str | None = None
+    server_queue_s: float | None = None  # the server's own queue time, gate or not (source: server_times_source)
     ttft_s: float | None = None
     itl_mean_s: float | None = None
     itl_p95_s: float | None = None
@@ -213,6 +216,21 @@ class ResponseRecord:
     n: int | None = None
     truncated_flag: bool | None = None  # llama.cpp's own `truncated`
     server_timings: dict[str, float] | None = None
+    # The server's own account of the request: its durations (`server_times_source`: `server_durations`
+    # from Ollama's and llama.cpp's answers, `server_metrics` from vLLM's `metrics`, `server_trace` from
+    # its span), and what its span (`server_trace`: `joined`, or `missing` with why) says beside the wire.
+    server_prefill_s: float | None = None
+    server_decode_s: float | None = None
+    server_times_source: str | None = None
+    server_trace: Literal["joined", "missing"] | None = None
+    server_trace_detail: str | None = None
+    server_output_tokens: int | None = None  # the tokens the server says it generated (its span)
+    undelivered: bool | None = None  # the server finished an answer the wire did not carry to its end
+    undelivered_detail: str | None = None  # both counts, and where the cut can be
+    server_after_disconnect_s: float | None = None  # the server's end after the client left
+    server_aborted: bool | None = None  # False: it ran the answer to its end after the client left
+    kv_blocks_held: int | None = None  # KV-cache blocks the request held at its end (prompt + output)
+    kv_pool_share: float | None = None  # those blocks over the server's pool
     # Correlation with GPU memory and the server's own state (telemetry observers fill these).
     gpu: str | None = None
     vram_free_min_bytes: int | None = None
@@ -264,6 +282,8 @@ class ResponseRecord:
             return "not_inference"
         if self.model_unloaded and stop in _UNLOADED_ENDS:
             return "model_unloaded"  # its model was unloaded, swapped or evicted while it ran
+        if self.undelivered and stop in _UNLOADED_ENDS:
+            return "undelivered"  # the server finished it; the way to the client cut it
         if stop == "length":
             if self.length_cause == "requested_budget":
                 return "requested_budget"
@@ -356,8 +376,9 @@ _CHOICES: tuple[tuple[str, frozenset[Any], Any], ...] = (
     ("length_cause", frozenset((*LengthCause.__args__, None)), "unknown"),  # type: ignore[attr-defined]
     ("length_cause_source", frozenset((*LengthCauseSource.__args__, None)), None),  # type: ignore[attr-defined]
     ("upstream_error", frozenset((*UPSTREAM_ERROR_KINDS, None)), "error_event"),
-    ("tokens_source", frozenset(("usage", "counted", "none")), "none"),
-    ("prompt_tokens_source", frozenset(("usage", "tokenizer", "server_error", None)), None),
+    ("tokens_source", frozenset(("usage", "counted", "none", "server_trace")), "none"),
+    ("prompt_tokens_source", frozenset(("usage", "tokenizer", "server_error", "server_trace", None)), None),
+    ("server_trace", frozenset(("joined", "missing", None)), None),
     ("deadline_hit", frozenset(DeadlineKind.__args__), "none"),  # type: ignore[attr-defined]
     ("deadline_mode", frozenset(("observe", "enforce", None)), None),
     ("disconnect_phase", frozenset(("before_first_token", "mid_stream", None)), None),

@@ -98,6 +98,14 @@ def usage_mismatch(usage: Usage | None, delivered: int | None) -> str | None:
     return None
 
 
+def server_queue(record: ResponseRecord, seconds: float, source: str) -> None:
+    """The server's own queue time: `server_queue_s`, and `queue_time_s` unless the proxy's gate held
+    the request (its wait there is the record's queue time then)."""
+    record.server_queue_s = seconds
+    if record.queue_time_source != "proxy":
+        record.queue_time_s, record.queue_time_source = seconds, source
+
+
 class Recorder:
     """One exchange: request, response head, chunks and its end in, one `ResponseRecord` out."""
 
@@ -111,6 +119,7 @@ class Recorder:
         "_error_detail",
         "_info",
         "_limits",
+        "_not_admitted",
         "_request_body",
         "_reset",
         "_shutdown",
@@ -132,6 +141,7 @@ class Recorder:
         self._error_detail: str | None = None
         self._reset = False
         self._client_left = False
+        self._not_admitted: str | None = None
         self._enforced: DeadlineKind = "none"
         self._deadline_observed: DeadlineKind = "none"
         self._shutdown = False
@@ -243,6 +253,15 @@ class Recorder:
         if detail is not None and self._error_detail is None:
             self._error_detail = detail
 
+    def not_admitted(self, detail: str) -> None:
+        """The proxy's admission gate refused the request (its 503): `rejected`, with why."""
+        self.record.status = 503
+        self._not_admitted = detail
+
+    def queued_at_proxy(self, seconds: float) -> None:
+        """The request waited `seconds` at the proxy's admission gate before it went upstream."""
+        self.record.queue_time_s, self.record.queue_time_source = round(seconds, QUEUE_TIME_RESOLUTION), "proxy"
+
     def deadline_enforced(self, kind: DeadlineHit, status: int | None = None) -> None:
         """The proxy cut the exchange at a deadline (`status`: its own answer, before any head)."""
         self._enforced = kind
@@ -327,6 +346,9 @@ class Recorder:
         record.length_cause_source = diagnosis.length_cause_source
         record.upstream_error = diagnosis.upstream_error
         record.upstream_error_detail = diagnosis.upstream_error_detail
+        if self._not_admitted is not None:  # the proxy's own refusal, not the server's
+            record.stop_reason, record.stop_detail = "rejected", self._not_admitted
+            record.upstream_error = record.upstream_error_detail = None
         if tally.texts is not None:
             try:
                 usability.judge(record, info, tally.texts)
@@ -436,9 +458,14 @@ class Recorder:
             return
         record = self.record
         record.server_timings = {k: v for k, v in (
-            ("total_s", timings.total_s), ("load_s", timings.load_s),
-            ("prompt_eval_s", timings.prompt_eval_s), ("eval_s", timings.eval_s)) if v is not None}
-        if timings.total_s is not None:  # what the server's own durations leave unaccounted: queueing
+            ("total_s", timings.total_s), ("load_s", timings.load_s), ("prompt_eval_s", timings.prompt_eval_s),
+            ("eval_s", timings.eval_s), ("queue_s", timings.queue_s)) if v is not None}
+        if timings.prompt_eval_s is not None or timings.eval_s is not None:
+            record.server_prefill_s, record.server_decode_s = timings.prompt_eval_s, timings.eval_s
+            record.server_times_source = timings.source
+        if timings.queue_s is not None:  # the server's own (vLLM's per-request metrics)
+            server_queue(record, round(timings.queue_s, QUEUE_TIME_RESOLUTION), timings.source)
+        elif timings.total_s is not None:  # what the server's own durations leave unaccounted: queueing
             accounted = sum(v for v in (timings.load_s, timings.prompt_eval_s, timings.eval_s) if v)
-            record.queue_time_s = max(0.0, round(timings.total_s - accounted, QUEUE_TIME_RESOLUTION))
-            record.queue_time_source = "server_durations"
+            server_queue(record, max(0.0, round(timings.total_s - accounted, QUEUE_TIME_RESOLUTION)),
+                         "server_durations")

@@ -25,6 +25,9 @@ from proxy.record import CUT_CAUSES, UPSTREAM_ERROR_KINDS, ResponseRecord, concu
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, float("inf"))
+# What became of a span of the server's (`proxy.diagnosis.server_traces`), and the queue times the
+# server itself measured (not the proxy's own wait).
+SPAN_RESULTS = ("joined", "late", "unmatched", "dropped", "not_request")
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 600, float("inf"))
 # The cause label of llm_proxy_truncated_total: what the serving layer cut (outcome "cut").
 TRUNCATION_CAUSES = CUT_CAUSES
@@ -176,6 +179,28 @@ class RecordMetrics:
             "the upstream's own tokenizer made of them: decided, undecided (counted, but too close to call), "
             "unavailable (no tokenizer the proxy knows), failed, timeout, dropped (queue full), skipped "
             "(--server-tokenizer off, or stopping).", ["result"], registry=r)
+        self.server_spans = Counter(
+            "llm_proxy_server_spans", "Request spans the server sent (serve --server-traces), by what became of "
+            "them: joined (to the proxy's record), late (its record had gone on without it), unmatched (no record "
+            "of the proxy's came for it), dropped (past the spans per second or the bound), not_request (a span "
+            "that is no server's request span).", ["result"], registry=r)
+        self.server_queue = Histogram(
+            "llm_proxy_server_queue_seconds", "How long each request waited in the server's own queue before it "
+            "was scheduled, as the server says (its span, vLLM's per-request metrics, Ollama's durations).",
+            ["model"], buckets=DURATION_BUCKETS, registry=r)
+        self.admission_wait = Histogram(
+            "llm_proxy_admission_wait_seconds", "How long generations waited at the proxy's own admission gate "
+            "(--max-in-flight) before they went upstream.", ["model"], buckets=DURATION_BUCKETS, registry=r)
+        self.admission_refused = Counter(
+            "llm_proxy_admission_refused", "Generations the proxy's admission gate refused with a 503: its queue "
+            "was full (queue_full) or the wait ran past --queue-timeout (queue_timeout).", ["reason"], registry=r)
+        self.undelivered = Counter(
+            "llm_proxy_undelivered_answers", "Answers the server finished (its span says so) whose stream broke "
+            "before its end: cut between the server's engine and the proxy.", ["model"], registry=r)
+        self.server_after_disconnect = Histogram(
+            "llm_proxy_server_after_disconnect_seconds", "How long the server went on generating after the "
+            "client left, for answers it ran to their end (its span): capacity spent on no one.",
+            ["model"], buckets=DURATION_BUCKETS, registry=r)
         self.client_disconnects = Counter(
             "llm_proxy_client_disconnects", "Clients that went away before the response ended.",
             ["phase"], registry=r)
@@ -219,10 +244,22 @@ class RecordMetrics:
                 self.deadline_hits.labels(kind, mode)
         for error_kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(error_kind)
+        for span_result in SPAN_RESULTS:
+            self.server_spans.labels(span_result)
+        for refusal in ("queue_full", "queue_timeout"):
+            self.admission_refused.labels(refusal)
 
     def count_tokenizer(self, result: str) -> None:
         """One length stop through the server's tokenizer (`proxy.diagnosis.server_check`: a bounded set of results)."""
         self._child(self.server_tokenizer_requests, result).inc()
+
+    def count_spans(self, result: str, count: int = 1) -> None:
+        """Spans of the server's (`proxy.diagnosis.server_traces.RESULTS`)."""
+        self._child(self.server_spans, result).inc(count)
+
+    def count_not_admitted(self, reason: str) -> None:
+        """A generation the admission gate refused (`proxy.relay.admission.Refused`: a bounded set)."""
+        self._child(self.admission_refused, reason).inc()
 
     def count_refused(self, reason: str) -> None:
         """A request the HTTP parser refused (`proxy.relay.listeners.refusal_reason`: a bounded set)."""
@@ -287,6 +324,12 @@ class ProcessMetrics:
         r = self.registry
         self.in_flight = Gauge("llm_proxy_in_flight", "Inference requests in flight now (read from the "
                                "concurrency tracker at scrape time).", registry=r)
+        self.admission_waiting = Gauge(
+            "llm_proxy_admission_waiting", "Generations waiting at the proxy's admission gate now (--max-in-flight).",
+            registry=r)
+        self.admission_limit = Gauge(
+            "llm_proxy_admission_limit", "The admission gate's limit on generations in flight (0: the gate is open).",
+            registry=r)
         self.workers = Gauge(
             "llm_proxy_workers", "Processes serving the proxy port now (--workers; 1 without it).", registry=r)
         self.workers.set(1)
@@ -326,9 +369,12 @@ class ProcessMetrics:
             ["source"], registry=r)
 
     def read_state(self, *, in_flight: Callable[[], float], parse_bytes_used: Callable[[], float],
-                   parse_bytes_refusals: Callable[[], float]) -> None:
+                   parse_bytes_refusals: Callable[[], float], admission_waiting: Callable[[], float] = lambda: 0,
+                   admission_limit: Callable[[], float] = lambda: 0) -> None:
         """Figures the process already knows, read at scrape time rather than counted twice."""
         self.in_flight.set_function(in_flight)
+        self.admission_waiting.set_function(admission_waiting)
+        self.admission_limit.set_function(admission_limit)
         self.parse_bytes_used.set_function(parse_bytes_used)
         self._parse_bytes_refusals = parse_bytes_refusals
 
@@ -393,6 +439,14 @@ class MetricsObserver(Observer):
             m._child(m.client_disconnects, record.disconnect_phase).inc()
         if record.deadline_hit != "none":
             m._child(m.deadline_hits, record.deadline_hit, record.deadline_mode or "observe").inc()
+        if record.server_queue_s is not None:
+            m._child(m.server_queue, model).observe(record.server_queue_s)
+        if record.queue_time_source == "proxy" and record.queue_time_s is not None:
+            m._child(m.admission_wait, model).observe(record.queue_time_s)
+        if record.undelivered:
+            m._child(m.undelivered, model).inc()
+        if record.server_after_disconnect_s is not None:
+            m._child(m.server_after_disconnect, model).observe(record.server_after_disconnect_s)
 
 
 class UpstreamStateCollector(Collector):

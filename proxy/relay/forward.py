@@ -29,6 +29,7 @@ from proxy.config import ProxyConfig
 from proxy.diagnosis.clients import ClientNamer
 from proxy.diagnosis.finish import Finisher
 from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.relay.admission import AdmissionGate, Refused
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import (
@@ -40,7 +41,7 @@ from proxy.relay.http1 import (
     request_refusal,
     trailer_section,
 )
-from proxy.relay.in_flight import InFlightTracker
+from proxy.relay.in_flight import InFlightTracker, Slot
 from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
@@ -131,9 +132,13 @@ class Forwarder:
     """The aiohttp handler of the proxy port."""
 
     def __init__(self, config: ProxyConfig, finisher: Finisher, concurrency: InFlightTracker,
-                 parse_bytes: ParseBytes, on_refused: Callable[[str], None] = lambda reason: None) -> None:
+                 parse_bytes: ParseBytes, on_refused: Callable[[str], None] = lambda reason: None,
+                 gate: AdmissionGate | None = None,
+                 on_not_admitted: Callable[[str], None] = lambda reason: None) -> None:
         self.config = config
         self.on_refused = on_refused  # a request refused before it went upstream, by a bounded reason
+        self.gate = gate  # the admission gate (--max-in-flight; None or open: every generation goes at once)
+        self.on_not_admitted = on_not_admitted  # a generation the gate refused, by reason
         self.pool = UpstreamPool(config.upstream, config.connect_timeout_s)
         self.clients = ClientNamer(config.client_secret or secrets.token_bytes(32), config.client_header)
         self.finisher = finisher  # the diagnosis's side: each exchange's start and end
@@ -167,22 +172,23 @@ class Forwarder:
                                   instance=self.config.instance, upstream=self.config.upstream,
                                   client=self.clients.name(request.headers))
         recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
-        tracker = self.concurrency
-        slot = tracker.admit() if recorder.inference else None
-        at_start = slot.at_start if slot is not None else tracker.in_flight
         config = self.config
         deadlines = Deadlines(started, config.deadline_s, config.idle_timeout_s, config.deadline_mode == "enforce")
-        recorder.admitted(at_start, config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
         if self.shutting_down:
             deadlines.shutdown()
         exchange = _Exchange(self, request, recorder, deadlines)
+        gate = self.gate
+        # A generation the gate holds is admitted once it has its place (after its body is read: the
+        # record names its model); every other request at once, as without a gate.
+        exchange.gated = gate is not None and gate.on and recorder.inference
+        if not exchange.gated:
+            exchange.admit()
         self.active.add(deadlines)
         try:
             return await exchange.forward()
         finally:
             self.active.discard(deadlines)
-            peak, mean = tracker.release(slot) if slot is not None else (at_start, float(at_start))
-            recorder.concurrency(at_start, peak, mean)
+            exchange.release()
             exchange.body.release()
             exchange.finish()
 
@@ -227,6 +233,52 @@ class _Exchange:
         self.max_gap = 0.0
         self.notified_start = False
         self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
+        self.forwarder = forwarder
+        self.gated = False  # it waits for a place at the admission gate
+        self.entered = False  # it has its place there (to give back when it ends)
+        self.slot: Slot | None = None
+        self.at_start = 0
+
+    # --- admission ----------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Counted in flight (a generation), with the deadlines' mode on the record."""
+        tracker, config = self.forwarder.concurrency, self.forwarder.config
+        self.slot = tracker.admit() if self.recorder.inference else None
+        self.at_start = self.slot.at_start if self.slot is not None else tracker.in_flight
+        self.recorder.admitted(self.at_start,
+                               config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
+
+    async def wait_for_place(self) -> web.Response | None:
+        """The gate's queue, fair across clients: None once admitted, else the proxy's 503."""
+        gate = self.forwarder.gate
+        assert gate is not None
+        try:
+            waited = await gate.enter(self.recorder.record.client)
+        except Refused as refused:
+            self.forwarder.on_not_admitted(refused.reason)
+            self.admit()  # (as a request that went nowhere: the concurrency it met)
+            self.recorder.not_admitted(refused.detail)
+            retry_after = max(1, round(gate.settings.queue_timeout_s or 1))
+            response = OwnResponse(status=503, body=error_body("admission_refused", refused.detail,
+                                                               reason=refused.reason),
+                                   content_type="application/json", headers={"Retry-After": str(retry_after)})
+            self._stamp(response)
+            return response
+        except asyncio.CancelledError:
+            self.recorder.client_left("the client went away while it waited at the proxy's admission gate")
+            raise
+        self.entered = True
+        self.recorder.queued_at_proxy(waited)
+        self.admit()
+        return None
+
+    def release(self) -> None:
+        if self.entered and self.forwarder.gate is not None:
+            self.forwarder.gate.leave()
+        slot = self.slot
+        tracker = self.forwarder.concurrency
+        peak, mean = tracker.release(slot) if slot is not None else (self.at_start, float(self.at_start))
+        self.recorder.concurrency(self.at_start, peak, mean)
 
     # --- the exchange -------------------------------------------------------------------------
     async def forward(self) -> web.StreamResponse:
@@ -239,6 +291,10 @@ class _Exchange:
             raise
         recorder.request_body(body.held, body.note)
         self._notify_start()  # (after the body: the record names the model it asks for)
+        if self.gated:
+            refused = await self.wait_for_place()
+            if refused is not None:
+                return refused
         headers = end_to_end(self.request.headers, REQUEST_SKIP)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.

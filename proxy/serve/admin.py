@@ -31,12 +31,15 @@ from proxy.config import parse_duration
 from proxy.observers.history import HistoryError, HistorySource
 from proxy.observers.record_store import DEFAULT_PAGE, MAX_PAGE, RecordQuery
 from proxy.record import CAUSES, CONCURRENCY_BUCKETS, OUTCOMES, STOP_REASONS, LengthCause, ResponseRecord
+from proxy.relay.admission import AdmissionGate, GateSettings
 from proxy.serve.admin_reads import AdminBusy, AdminReaders, AdminReadFailed
 from proxy.serve.messages import PageFound
+from proxy.serve.trace_receiver import receiver_off
 from proxy.sweep.live import BY
 
 _log = structlog.get_logger("llm_diag_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+TRACES = "/v1/traces"  # where a server sends its request spans (OTLP/HTTP's path)
 LENGTH_CAUSES: tuple[str, ...] = LengthCause.__args__  # type: ignore[attr-defined]
 
 
@@ -247,10 +250,12 @@ def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream
                     token: str | None = None, ready: Callable[[], bool] = lambda: True,
                     allowed_hosts: frozenset[str] = frozenset(),
                     readers: AdminReaders | None = None, instance: str | None = None,
-                    about: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+                    about: Callable[[], dict[str, Any]] | None = None,
+                    traces: Handler | None = None, admission: AdmissionGate | None = None) -> web.Application:
     """`records`: what is read (every answer that has ended is in it); `registry`: what /metrics
     says, once `records` brought it up to date; `about`: the proxy's own addresses and what its
-    upstream says of itself (`GET /api/about`)."""
+    upstream says of itself (`GET /api/about`); `traces`: the receiver of the server's request spans
+    (`POST /v1/traces`, `--server-traces on`)."""
     sessions = Sessions(token) if token else None
     readers = readers or AdminReaders()
     history_source = records.history_source
@@ -268,7 +273,7 @@ def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         """`/api/*` and the page `/` need the token: as a bearer header, or (for a browser) the cookie
         the page sets after it was opened once as `/?token=TOKEN`."""
-        if not token or sessions is None or not (request.path.startswith("/api/") or request.path == "/"):
+        if not token or sessions is None or not (request.path.startswith("/api/") or request.path in ("/", TRACES)):
             return await handler(request)
         cookie = request.cookies.get(SESSION_COOKIE, "")
         if bearer_matches(request.headers.get("Authorization", ""), token) or sessions.valid(cookie):
@@ -427,6 +432,34 @@ def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream
         reads would be records, metrics and, where the server answers 404, upstream errors)."""
         return _json(about() if about is not None else {})
 
+    def gate_state() -> dict[str, Any]:
+        assert admission is not None
+        settings = admission.settings
+        return {"max_in_flight": settings.max_in_flight, "queue_max": settings.queue_max,
+                "queue_timeout_s": settings.queue_timeout_s, "in_flight": admission.in_flight,
+                "waiting": admission.waiting}
+
+    async def admission_state(request: web.Request) -> web.Response:
+        """The admission gate: its settings and what it holds now."""
+        if admission is None:
+            return _error(404, "no_gate", "the admission gate needs one process (it is not built with --workers)")
+        return _json(gate_state())
+
+    async def admission_set(request: web.Request) -> web.Response:
+        """New gate settings, at once (the sweep's second arm): `{"max_in_flight": N or null, "queue_max": N,
+        "queue_timeout_s": S or null}`, each left out kept."""
+        if admission is None:
+            return _error(404, "no_gate", "the admission gate needs one process (it is not built with --workers)")
+        try:
+            asked = orjson.loads(await request.read())
+            settings = gate_settings(asked, admission.settings)
+        except (orjson.JSONDecodeError, BadQuery) as exc:
+            return _error(400, "bad_request", f"admission settings: {exc}"[:300])
+        admission.set(settings)
+        _log.info("admission_changed", max_in_flight=settings.max_in_flight, queue_max=settings.queue_max,
+                  queue_timeout_s=settings.queue_timeout_s)
+        return _json(gate_state())
+
     async def no_server_version(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Server"] = "llm-diag-proxy"  # aiohttp's own names its version
 
@@ -444,7 +477,27 @@ def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/requests", list_requests)
     app.router.add_get("/api/requests/{request_id}", one_request)
+    app.router.add_post(TRACES, traces or receiver_off)
+    app.router.add_get("/api/admission", admission_state)
+    app.router.add_put("/api/admission", admission_set)
     return app
+
+
+def gate_settings(asked: Any, now: GateSettings) -> GateSettings:
+    """Settings from a PUT's body, what it leaves out kept; BadQuery for anything else."""
+    if not isinstance(asked, dict) or not asked.keys() <= {"max_in_flight", "queue_max", "queue_timeout_s"}:
+        raise BadQuery("an object of max_in_flight, queue_max, queue_timeout_s")
+    limit = asked.get("max_in_flight", now.max_in_flight)
+    queue_max = asked.get("queue_max", now.queue_max)
+    timeout = asked.get("queue_timeout_s", now.queue_timeout_s)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= 1 << 20):
+        raise BadQuery("max_in_flight: a positive integer, or null to open the gate")
+    if not isinstance(queue_max, int) or isinstance(queue_max, bool) or not 0 < queue_max <= 1 << 20:
+        raise BadQuery("queue_max: a positive integer")
+    if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                                or not 0 < timeout <= 86400):
+        raise BadQuery("queue_timeout_s: seconds above 0, or null to wait as long as it takes")
+    return GateSettings(limit, queue_max, None if timeout is None else float(timeout))
 
 
 def _history_get(source: HistorySource, request_id: str) -> ResponseRecord | None:

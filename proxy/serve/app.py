@@ -27,6 +27,7 @@ from proxy.relay.listeners import listen
 from proxy.serve.admin import UpstreamReachability, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.process import RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
+from proxy.serve.trace_receiver import TraceReceiver
 from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
@@ -116,9 +117,12 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
     telemetry = Telemetry(config, metrics)
     serving = ServingProcess.open(config, metrics, telemetry.enricher, extra_observers=extra_observers,
                                   log_records=log_records)
+    gate = serving.forwarder.gate
     metrics.read_state(in_flight=lambda: serving.concurrency.in_flight,
                        parse_bytes_used=lambda: serving.parse_bytes.used,
-                       parse_bytes_refusals=lambda: serving.parse_bytes.refused)
+                       parse_bytes_refusals=lambda: serving.parse_bytes.refused,
+                       admission_waiting=lambda: gate.waiting if gate is not None else 0,
+                       admission_limit=lambda: (gate.settings.max_in_flight or 0) if gate is not None else 0)
     session = upstream_session(config)
     running = RunningProxy(config, serving, metrics, telemetry, session)
     admin_app = build_admin_app(
@@ -126,7 +130,9 @@ async def start_proxy(config: ProxyConfig, *, extra_observers: tuple[Observer, .
         UpstreamReachability(config.upstream, session, config.upstream_authorization), config.admin_token,
         ready=lambda: not serving.forwarder.shutting_down, allowed_hosts=config.admin_allowed_hosts,
         readers=running.readers, instance=config.instance,
-        about=about(config, lambda: running.proxy_url, lambda: running.admin_url, lambda: serving.check.identity))
+        about=about(config, lambda: running.proxy_url, lambda: running.admin_url, lambda: serving.check.identity),
+        traces=TraceReceiver(serving.traces.receive, metrics.count_spans).handle if serving.traces else None,
+        admission=gate)
     try:
         running.proxy_url = await serving.listen()
         running._admin_runner, _, running.admin_url = await listen(

@@ -100,6 +100,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for a length stop whose tokens were only counted (no usage on the wire), ask the "
                              "upstream's own tokenizer for the prompt's count, after the response (default on; env "
                              "LLM_DIAG_SERVER_TOKENIZER)")
+    parser.add_argument("--server-traces", choices=("on", "off"),
+                        default=env_default("LLM_DIAG_SERVER_TRACES", "off"),
+                        help="take the server's own request spans at POST /v1/traces on the admin listener (start "
+                             "vLLM with --otlp-traces-endpoint http://ADMIN/v1/traces and "
+                             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf) and join each to its record: the "
+                             "server's token counts, queue time and end decide what the wire leaves open "
+                             "(default off; env LLM_DIAG_SERVER_TRACES)")
+    parser.add_argument("--server-traces-wait", type=flag_type(parse_positive_seconds), default=10.0,
+                        metavar="DURATION",
+                        help="how long a finished answer waits for the server's span before it is recorded "
+                             "without it (default 10s: vLLM's exporter sends every 5 s unless "
+                             "OTEL_BSP_SCHEDULE_DELAY says less)")
+    parser.add_argument("--max-in-flight", type=flag_type(parse_positive_int), default=None, metavar="N",
+                        help="the admission gate, off by default: at most N generations in flight to the upstream; "
+                             "the rest wait in a queue fair across clients (settable at run time: PUT "
+                             "/api/admission on the admin listener)")
+    parser.add_argument("--queue-max", type=flag_type(parse_positive_int), default=1024, metavar="N",
+                        help="with the gate: at most N generations waiting; past it a 503 with Retry-After "
+                             "(default %(default)s)")
+    parser.add_argument("--queue-timeout", type=flag_type(parse_positive_seconds), default=None, metavar="DURATION",
+                        help="with the gate: the longest a generation waits for its place, then a 503 with "
+                             "Retry-After (default: as long as it takes)")
     parser.add_argument("--backlog", type=flag_type(parse_positive_int), default=2048, metavar="N",
                         help="listen queue of the proxy port: connections accepted in a burst before the kernel "
                              "resets new ones (default %(default)s; the kernel's somaxconn caps it)")
@@ -222,6 +244,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         if len(instance) > 200:
             raise ConfigError("invalid --instance: at most 200 characters")
         client_header, client_secret = client_naming(args)
+        if getattr(args, "max_in_flight", None) is not None and getattr(args, "workers", 1) > 1:
+            raise ConfigError("--max-in-flight needs one process: the gate's queue is not shared between "
+                              "--workers yet")
         return ProxyConfig(
             upstream=upstream,
             listen=listen,
@@ -240,6 +265,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             upstream_metrics=args.upstream_metrics,
             upstream_metrics_interval_s=args.upstream_metrics_interval,
             server_tokenizer=_on_off(getattr(args, "server_tokenizer", "on"), "--server-tokenizer"),
+            server_traces=_on_off(getattr(args, "server_traces", "off"), "--server-traces"),
+            server_traces_wait_s=getattr(args, "server_traces_wait", 10.0),
+            max_in_flight=getattr(args, "max_in_flight", None),
+            queue_max=getattr(args, "queue_max", 1024),
+            queue_timeout_s=getattr(args, "queue_timeout", None),
             log_records=args.log_records,
             backlog=args.backlog,
             header_timeout_s=args.header_timeout,

@@ -8,7 +8,8 @@ record crosses it: a worker runs its own observers, and the supervisor asks for 
 - worker → supervisor, told: `Listening` (its port is open), `MetricsSnapshot` (its registry, at most
   once a second when it changed, and once more as it stops);
 - supervisor → worker, told: `TelemetrySamples` (what the supervisor's pollers read, for each
-  worker's records);
+  worker's records), `ServerSpans` (the server's request spans the admin listener took: every worker
+  joins its own records' spans);
 - asked, by the supervisor, and answered by the worker: `Settle` → `Settled`, `PageAsked` →
   `PageFound`, `RecordAsked` → `RecordFound`, `RingAsked` → `RingFound`, `MetricsAsked` →
   `MetricsSnapshot`.
@@ -63,6 +64,11 @@ class TelemetrySamples:
     gpu: tuple[tuple[float, Any], ...] = ()
     upstream: tuple[tuple[float, Any], ...] = ()
     pids: frozenset[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpans:
+    spans: tuple[Any, ...]  # proxy.servers.traces.ServerSpan
 
 
 # --- asked and answered --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from proxy.config import ProxyConfig
 from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.finish import Finisher
 from proxy.diagnosis.server_check import ServerCheck, open_server_check
+from proxy.diagnosis.server_traces import TraceJoin, TraceLimits
 from proxy.diagnosis.tokenizer_queue import CallGate, QueueLimits
 from proxy.observers.history import History, HistorySource
 from proxy.observers.hooks import Enricher, Observer
@@ -35,6 +36,7 @@ from proxy.observers.metrics import MetricsObserver, RecordMetrics
 from proxy.observers.record_store import RecordQuery, RecordStore, matching
 from proxy.observers.tracing import Tracer
 from proxy.record import CompactOnce
+from proxy.relay.admission import AdmissionGate, GateSettings
 from proxy.relay.forward import Forwarder
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.listeners import listen
@@ -69,6 +71,7 @@ class ServingProcess:
     forwarder: Forwarder
     concurrency: InFlightTracker
     parse_bytes: ParseBytes
+    traces: TraceJoin | None = None  # the server's request spans, joined to the records (--server-traces)
     url: str = ""
     runner: web.BaseRunner | None = None
     _site: web.TCPSite | None = None
@@ -104,9 +107,19 @@ class ServingProcess:
         gate = CallGate(shared=shared.gate, owner=owner) if shared is not None else None
         check = server_check(config, delivery.response_finished, metrics.count_tokenizer, metrics.know_models,
                              metrics.records_lost.inc, gate=gate, workers=workers)
-        forwarder = Forwarder(config, Finisher(delivery, check), concurrency, parse_bytes, metrics.count_refused)
+        finisher = Finisher(delivery, check)
+        if config.server_traces:
+            # With N workers every worker hears every span: only its own records' are joined, and a span
+            # none of them knew is not counted unmatched N times (not at all).
+            limits = TraceLimits(wait_s=config.server_traces_wait_s).share(workers)
+            finisher.traces = TraceJoin(finisher.checked, limits, metrics.count_spans,
+                                        count_unmatched=shared is None)
+        admission = AdmissionGate(GateSettings(config.max_in_flight, config.queue_max, config.queue_timeout_s)) \
+            if shared is None else None  # (the gate needs one process: its queue is not shared)
+        forwarder = Forwarder(config, finisher, concurrency, parse_bytes, metrics.count_refused, admission,
+                              metrics.count_not_admitted)
         return cls(config, owner, metrics, store, history, tracer, delivery, check, forwarder, concurrency,
-                   parse_bytes)
+                   parse_bytes, finisher.traces)
 
     async def listen(self, *, reuse_port: bool = False) -> str:
         """Open the proxy port (with `reuse_port`, the port N workers share) and start the server
@@ -140,7 +153,9 @@ class ServingProcess:
         self.forwarder.end_active()
         if self.runner is not None:
             await self.runner.cleanup()
-        self.delivery.flush()  # the handlers' last finishes, before the tokenizer's check closes
+        self.delivery.flush()  # the handlers' last finishes, before the spans' join and the tokenizer close
+        if self.traces is not None:
+            self.traces.close()  # the records waiting for a span go on without one
         await self.check.close()  # after the handlers: their last records may wait on the tokenizer
         self.delivery.flush()
         if self.history is not None:

@@ -71,12 +71,14 @@ from proxy.serve.messages import (
     RecordFound,
     RingAsked,
     RingFound,
+    ServerSpans,
     Settle,
     Settled,
     TelemetrySamples,
 )
 from proxy.serve.process import END_WAIT_S, RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.shared import DELIVERED, OPEN, Ledger, SharedState
+from proxy.serve.trace_receiver import TraceReceiver
 from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
 from proxy.servers.base import UNKNOWN_SERVER
 from proxy.servers.identity import IdentityPoller
@@ -159,6 +161,8 @@ async def _worker(args: WorkerArgs) -> None:
     def told(message: Any) -> None:
         if isinstance(message, TelemetrySamples):
             rings.receive(message.gpu, message.upstream, message.pids)
+        elif isinstance(message, ServerSpans) and serving.traces is not None:
+            serving.traces.receive(list(message.spans))
 
     link = Link(told, answers.answer)
     await loop.connect_accepted_socket(lambda: link, sock)
@@ -272,6 +276,10 @@ class WorkerSupervisor:
         gpu, upstream = tuple(self._samples["gpu"]), tuple(self._samples["upstream"])
         self._samples = {"gpu": [], "upstream": []}
         self._tell_all(TelemetrySamples(gpu, upstream))
+
+    def tell_all(self, message: Any) -> None:
+        """One message to every live worker."""
+        self._tell_all(message)
 
     def _tell_all(self, message: Any) -> None:
         for _, link in self.links():
@@ -547,7 +555,9 @@ async def _supervise(config: ProxyConfig) -> int:
         ready=lambda: supervisor.ready, allowed_hosts=config.admin_allowed_hosts, readers=AdminReaders(),
         instance=config.instance,
         about=about(config, lambda: urls["proxy"], lambda: urls["admin"],
-                    lambda: identity.identity if identity.enabled else UNKNOWN_SERVER))
+                    lambda: identity.identity if identity.enabled else UNKNOWN_SERVER),
+        traces=TraceReceiver(lambda spans: supervisor.tell_all(ServerSpans(tuple(spans))), own.count_spans).handle
+        if config.server_traces else None)
     admin_runner = None
     identifying: asyncio.Task[None] | None = None
     code = 0

@@ -28,6 +28,11 @@ def server_of(kind: str) -> Server:
     return _BY_KIND.get(kind, UNKNOWN)
 
 
+def server_described(source: str | None) -> Server:
+    """The server a `ServerInfo.source` names (`vLLM GET /v1/models`), `UNKNOWN` for none."""
+    return next((s for s in SERVERS if source is not None and source.startswith(s.name + " ")), UNKNOWN)
+
+
 def server_of_dialect(dialect: str | None) -> Server | None:
     """The server a native route names (llama.cpp's `/completion`, Ollama's `/api/*`), else None."""
     return _BY_DIALECT.get(dialect or "")

@@ -133,6 +133,17 @@ class MetricNames:
 
 
 @dataclass(frozen=True, slots=True)
+class SpanNames:
+    """How a server names its own request span and its attributes (`proxy.servers.traces`)."""
+
+    span: str
+    request_id: str  # the attribute with the server's request id
+    id_prefixes: tuple[str, ...]  # what the server puts before the X-Request-Id it was sent
+    counts: dict[str, str]  # attribute -> ServerSpan field, token counts
+    seconds: dict[str, str]  # attribute -> ServerSpan field, durations in seconds
+
+
+@dataclass(frozen=True, slots=True)
 class PromptFinding:
     """Whether the server cut the prompt (None: cannot know), and how that was decided."""
 
@@ -198,6 +209,10 @@ class Server:
 
     async def identify(self, answers: ServerAnswers, models: tuple[str, ...]) -> ServerIdentity | None:
         """Which server this is, from its answers (None: not this kind)."""
+        return None
+
+    def concurrency_switch(self, limit: int) -> str | None:
+        """The server's own setting that runs at most `limit` requests at once (None: it has none)."""
         return None
 
     async def context_for(self, answers: ServerAnswers, model: str) -> ServerInfo | None:

@@ -71,6 +71,9 @@ def model_query(model: str) -> str:
 class LlamaCpp(Server):
     kind = "llamacpp"
     name = "llama.cpp"
+
+    def concurrency_switch(self, limit: int) -> str | None:
+        return f"-np {limit} (--parallel)"
     native_dialects = ("llamacpp",)
     telemetry_read = "metrics_text"
     metric_names = MetricNames(

@@ -66,6 +66,9 @@ def template_sizes(show: Any) -> tuple[int | None, int | None]:
 class Ollama(Server):
     kind = "ollama"
     name = "Ollama"
+
+    def concurrency_switch(self, limit: int) -> str | None:
+        return f"OLLAMA_NUM_PARALLEL={limit}"
     native_dialects = ("ollama",)
     telemetry_read = "loaded_models"
 

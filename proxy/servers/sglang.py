@@ -21,6 +21,9 @@ from proxy.servers.vllm import model_contexts, models_owner
 class SGLang(Server):
     kind = "sglang"
     name = "SGLang"
+
+    def concurrency_switch(self, limit: int) -> str | None:
+        return f"--max-running-requests {limit}"
     telemetry_read = "metrics_text"
     metric_names = MetricNames(
         running=("sglang:num_running_reqs",),

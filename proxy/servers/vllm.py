@@ -29,11 +29,23 @@ from proxy.servers.base import (
     ServerAnswers,
     ServerIdentity,
     ServerInfo,
+    SpanNames,
     TokenizerQuery,
     TokenizerUnavailable,
     positive_count,
 )
 from proxy.wire.dialects.base import as_count
+
+# Its own span of each request it finishes (vllm/v1/engine/output_processor.py, do_tracing; names in
+# vllm/tracing/utils.py, SpanAttributes), and its request ids `chatcmpl-<X-Request-Id>`, `cmpl-<...>`
+# (vllm/entrypoints/serve/engine/serving.py, _base_request_id).
+SPAN_NAMES = SpanNames(
+    span="llm_request", request_id="gen_ai.request.id", id_prefixes=("chatcmpl-", "cmpl-"),
+    counts={"gen_ai.usage.prompt_tokens": "prompt_tokens", "gen_ai.usage.completion_tokens": "completion_tokens",
+            "gen_ai.request.max_tokens": "max_tokens", "gen_ai.request.n": "n"},
+    seconds={"gen_ai.latency.time_in_queue": "queue_s", "gen_ai.latency.time_to_first_token": "ttft_s",
+             "gen_ai.latency.e2e": "e2e_s", "gen_ai.latency.time_in_model_prefill": "prefill_s",
+             "gen_ai.latency.time_in_model_decode": "decode_s"})
 
 # Fields of a chat request that vLLM's chat template sees but /tokenize takes only as template kwargs
 # (vllm/entrypoints/openai/chat_completion/protocol.py, build_chat_params).
@@ -74,6 +86,9 @@ def context_in_listing(listing: Any, model: str) -> ServerInfo | None:
 class VLLM(Server):
     kind = "vllm"
     name = "vLLM"
+
+    def concurrency_switch(self, limit: int) -> str | None:
+        return f"--max-num-seqs {limit}"
     telemetry_read = "metrics_text"
     metric_names = MetricNames(
         running=("vllm:num_requests_running",),

@@ -230,6 +230,41 @@ def count_lines(records: Sequence[ResponseRecord]) -> list[str]:
         answered[record.upstream or "?"] += 1
         if record.usage_mismatch:
             mismatched.setdefault(record.upstream or "?", []).append(record)
-    return [f"{upstream}: {len(bad)} of {answered[upstream]} answers carry counts that cannot all be true "
-            f"({bad[-1].usage_mismatch}): its usage is not to be trusted for them"
-            for upstream, bad in sorted(mismatched.items(), key=lambda item: -len(item[1]))]
+    untrusted = [f"{upstream}: {len(bad)} of {answered[upstream]} answers carry counts that cannot all be true "
+                 f"({bad[-1].usage_mismatch}): its usage is not to be trusted for them"
+                 for upstream, bad in sorted(mismatched.items(), key=lambda item: -len(item[1]))]
+    return untrusted + exact_truth_lines(records)
+
+
+# How a length stop was settled without the server's own count of its output.
+_INFERRED = frozenset({"server_tokenizer", "counted", "none", "request_unread"})
+
+
+def exact_truth_lines(records: Sequence[ResponseRecord]) -> list[str]:
+    """Servers whose length stops were settled by inference (the server's tokenizer and its budget rule)
+    or stayed unknown, with the server's own switches that would give its exact count."""
+    inferred: Counter[str] = Counter()
+    unknown: Counter[str] = Counter()
+    stops: Counter[str] = Counter()
+    for record in records:
+        if record.stop_reason != "length":
+            continue
+        upstream = record.upstream or "?"
+        stops[upstream] += 1
+        if record.length_cause in (None, "unknown"):
+            unknown[upstream] += 1
+        elif record.length_cause_source in _INFERRED:
+            inferred[upstream] += 1
+    lines = []
+    for upstream in sorted(stops, key=lambda u: -(inferred[u] + unknown[u])):
+        if not inferred[upstream] and not unknown[upstream]:
+            continue
+        said = " and ".join(part for part in (
+            f"{inferred[upstream]} settled by inference (the server's tokenizer)" if inferred[upstream] else "",
+            f"{unknown[upstream]} left unknown" if unknown[upstream] else "") if part)
+        lines.append(f"{upstream}: of {stops[upstream]} length stops, {said}: for the server's own count, "
+                     "run the proxy with --server-traces on and start vLLM with --otlp-traces-endpoint "
+                     "http://ADMIN/v1/traces (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), or with "
+                     "--enable-force-include-usage so that every stream carries its usage; SGLang: "
+                     "--enable-trace --otlp-traces-endpoint, and stream_options.include_usage")
+    return lines

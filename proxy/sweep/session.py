@@ -11,10 +11,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+import aiohttp
+import orjson
+
 from proxy import __version__
 from proxy.config import CliError
 from proxy.servers.base import ServerInfo
 from proxy.sweep import export, open_loop, table
+from proxy.sweep.arms import Arm, ArmError, Gate, compare_lines, side_by_side, verdict_lines
 from proxy.sweep.open_loop import Slo, parse_slo
 from proxy.sweep.progress import ProgressBar
 from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
@@ -57,8 +61,10 @@ def analyse(samples: Sequence[Sample], plan: SweepPlan,
 
 
 async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | None, progress: bool,
-                  stdout: TextIO | None = None) -> SweepOutcome:
-    """Run the sweep, print the table and the verdict, write the requested files."""
+                  stdout: TextIO | None = None, admission: Sequence[int] = (),
+                  gated_timeout_s: float = 0.0) -> SweepOutcome:
+    """Run the sweep, print the table and the verdict, write the requested files; with `admission`,
+    the second arm at each limit (`proxy.sweep.arms`), side by side with the first."""
     out = stdout if stdout is not None else sys.stdout
     bar = ProgressBar(plan.total, enabled=progress)
     try:
@@ -108,10 +114,63 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
         source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
                    "that --admin belongs to?")
     out.write(f"{rates_text}{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
+    if admission:
+        arms = await second_arm(plan, Arm.of(None, summaries, verdict, samples), admission, gated_timeout_s,
+                                progress)
+        out.write(f"\nTHE SECOND ARM: the same levels under the proxy's admission gate\n{side_by_side(arms)}\n\n"
+                  + "\n".join(verdict_lines(arms[0], arms[1:])) + "\n")
+        described["arms"] = [arm.to_dict() for arm in arms[1:]]
+        if out_dir is not None:
+            try:
+                (Path(out_dir) / "sweep.json").write_bytes(export.sweep_json(described, summaries, verdict, samples))
+            except OSError as exc:
+                raise CliError(f"cannot write the sweep's files: {exc}") from None
     if written:
         out.write("wrote " + ", ".join(str(p) for p in written) + "\n")
     out.flush()
     return SweepOutcome(list(samples), summaries, verdict, written, run.server)
+
+
+async def second_arm(plan: SweepPlan, first: Arm, limits: Sequence[int], timeout_s: float,
+                     progress: bool) -> list[Arm]:
+    """The same sweep under the proxy's gate at each limit, the gate put back as it was afterwards
+    (interrupted too)."""
+    assert plan.admin is not None
+    arms = [first]
+    async with aiohttp.ClientSession() as session:
+        gate = Gate(session, plan.admin, plan.admin_token)
+        try:
+            for limit in limits:
+                await gate.set(limit)
+                arm_plan = replace(plan, timeout_s=timeout_s, warmup=0)
+                bar = ProgressBar(arm_plan.total, enabled=progress)
+                try:
+                    run = await run_sweep(arm_plan, on_level_start=bar.start_level, on_done=bar.advance,
+                                          on_level_done=bar.level_done)
+                finally:
+                    bar.close()
+                summaries, verdict = analyse(run.samples, arm_plan, run.server)
+                arms.append(Arm.of(limit, summaries, verdict, run.samples))
+        except ArmError as exc:
+            raise CliError(str(exc)) from None
+        except SweepError as exc:
+            raise CliError(str(exc)) from None
+        finally:
+            await gate.restore()
+    return arms
+
+
+def compare_files(before: str, after: str) -> str:
+    """`sweep --compare A/sweep.json B/sweep.json`: the two runs side by side, and what changed."""
+    arms = []
+    for name, path in (("before", before), ("after", after)):
+        try:
+            data = orjson.loads(Path(path).read_bytes())
+            arm = Arm.from_dict(data)
+        except (OSError, orjson.JSONDecodeError, ValueError, AttributeError) as exc:
+            raise CliError(f"--compare: cannot read {path} as a sweep.json: {exc}"[:300]) from None
+        arms.append(replace(arm, limit=None, label=name))
+    return f"{side_by_side(arms)}\n\n" + "\n".join(compare_lines(arms[0], arms[1]))
 
 
 def open_loop_verdict(verdict: Verdict, rates: Sequence[open_loop.RateSummary]) -> Verdict:

@@ -54,8 +54,8 @@ def stop_label(record: ResponseRecord) -> str:
     generated says why (`not_generated:no_user_turn`)."""
     if record.prompt_truncated:
         return "prompt_truncated"
-    if record.cause == "model_unloaded":
-        return "model_unloaded"
+    if record.cause in ("model_unloaded", "undelivered"):
+        return record.cause
     if record.answer_complete is False and record.stop_reason in COMPLETE_STOP_REASONS:
         return f"answer_incomplete:{record.incomplete_part or 'tool_call'}"
     if record.stop_reason == "length" and record.length_cause is not None:

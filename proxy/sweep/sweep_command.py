@@ -8,6 +8,7 @@ import os
 from typing import Any, cast, get_args
 
 from proxy.config import (
+    CliError,
     ConfigError,
     flag_type,
     parse_positive_int,
@@ -17,12 +18,13 @@ from proxy.config import (
 )
 from proxy.sweep.open_loop import Slo, parse_rates, parse_slo
 from proxy.sweep.runner import SWEEP_DIALECTS, SweepDialect, SweepPlan
-from proxy.sweep.session import execute, exit_code
+from proxy.sweep.session import compare_files, execute, exit_code
 from proxy.sweep.verdict import VerdictKind
 
 DEFAULT_PROMPT = ("Explain in five short paragraphs how a bicycle's gears work, "
                   "then give three tips for shifting smoothly.")
 DEFAULT_LEVELS = "1,2,4,8"
+DEFAULT_TIMEOUT_S = 120.0
 MAX_LEVEL = 4096
 
 
@@ -96,9 +98,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling seed, the same for every request (default %(default)s)")
     parser.add_argument("--temperature", type=flag_type(parse_temperature), default=0.0,
                         help="sampling temperature (default %(default)s)")
-    parser.add_argument("--timeout", type=flag_type(parse_seconds), default=120.0, metavar="SECONDS",
-                        help="the client gives up on a response after this long, 0 = never "
-                             "(default %(default)s)")
+    parser.add_argument("--timeout", type=flag_type(parse_seconds), default=None, metavar="SECONDS",
+                        help="the client gives up on a response after this long, 0 = never (default 120; the "
+                             "arms of --admission: never, unless given)")
     parser.add_argument("--out-dir", default=".", metavar="DIR",
                         help="where sweep.json and sweep.csv go (default: %(default)s; "
                              "for demo: not written unless given)")
@@ -116,14 +118,21 @@ def register(subparsers: Any) -> None:
         description="Closed-loop sweep: at each level exactly L streaming requests are in flight, every "
                     "one identical (prompt, budget, seed); prints a table per level and a verdict. With --rates, "
                     "open loop: requests arrive at each rate whatever is in flight, scored by goodput.")
-    parser.add_argument("--target", required=True, type=flag_type(parse_upstream_url), metavar="URL",
+    parser.add_argument("--admission", type=flag_type(parse_levels), default=(), metavar="N[,M...]",
+                        help="the experiment's second arm: the same levels again with the proxy's admission gate "
+                             "at each N (through --admin, put back afterwards), side by side with the first, and "
+                             "whether the cap removes the cut")
+    parser.add_argument("--compare", nargs=2, default=None, metavar=("A/sweep.json", "B/sweep.json"),
+                        help="compare two saved sweeps (before and after a server change) level by level, and "
+                             "say whether the change removed the cut; runs nothing")
+    parser.add_argument("--target", type=flag_type(parse_upstream_url), metavar="URL",
                         help="base URL to send requests to: the proxy (or the server itself)")
     parser.add_argument("--admin", type=flag_type(parse_upstream_url), default=None, metavar="URL",
                         help="the proxy's admin URL: join each response with the proxy's record "
                              "(without it, stop reasons come from the sweep's own parse)")
     parser.add_argument("--admin-token", default=os.environ.get("LLM_DIAG_ADMIN_TOKEN") or None,
                         help="bearer token of the admin API (env LLM_DIAG_ADMIN_TOKEN)")
-    parser.add_argument("--model", required=True, help="the model name sent in every request")
+    parser.add_argument("--model", help="the model name sent in every request")
     parser.add_argument("--dialect", choices=SWEEP_DIALECTS, default="openai",
                         help="openai: /v1/chat/completions (SSE); ollama: /api/chat (NDJSON); "
                              "anthropic: /v1/messages; responses: /v1/responses (default openai)")
@@ -156,7 +165,8 @@ def plan_from_args(args: argparse.Namespace, target: str, admin: str | None, mod
                      levels=args.levels, repeats=args.repeats, prompt=args.prompt, max_tokens=args.max_tokens,
                      seed=args.seed, temperature=args.temperature, model=model,
                      dialect=cast(SweepDialect, dialect if dialect in SWEEP_DIALECTS else "openai"),
-                     timeout_s=args.timeout or 0.0, warmup=getattr(args, "warmup", 1),
+                     timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
+                     warmup=getattr(args, "warmup", 1),
                      rates=getattr(args, "rates", None) or (), arrivals=getattr(args, "arrivals", "constant"),
                      rate_seconds=getattr(args, "rate_seconds", 30.0), slo=_slo_text(getattr(args, "slo", None)),
                      prompt_tokens=getattr(args, "prompt_tokens", None))
@@ -171,7 +181,16 @@ def _slo_text(slo: Slo | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare is not None:
+        print(compare_files(*args.compare))
+        return 0
+    if args.target is None or args.model is None:
+        raise CliError("sweep needs --target and --model (or --compare A/sweep.json B/sweep.json)")
+    if args.admission and args.admin is None:
+        raise CliError("--admission sets the proxy's admission gate: give the proxy's --admin URL (and "
+                       "--target the proxy)")
     plan = plan_from_args(args, args.target, args.admin, args.model, args.dialect)
     outcome = asyncio.run(execute(plan, out_dir=args.out_dir, report_path=args.report,
-                                  progress=not args.no_progress))
+                                  progress=not args.no_progress, admission=args.admission,
+                                  gated_timeout_s=args.timeout or 0.0))
     return exit_code(outcome.verdict, args.fail_on)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from proxy.record import ResponseRecord
+from proxy.servers import server_described
 from proxy.servers.base import ServerInfo
 from proxy.sweep import timeouts
 from proxy.sweep.limits import CONTEXT_SLACK, characterise
@@ -92,10 +93,23 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level;
     `server` is what the server says of its context, to name a length limit by its number."""
     verdict = _decide(summaries, groups, client_timeout_s, server)
+    if verdict.kind in ("policy", "serving_defect") and verdict.onset_level is not None and verdict.onset_level > 1:
+        verdict = replace(verdict, recommendation=f"{verdict.recommendation}; "
+                                                  f"{lower_concurrency(verdict.onset_level - 1, server)}")
     records = [s.record for samples in groups.values() for s in samples]
     shifted = _context_shift_line(records, server)
     found = [*([shifted] if shifted else []), *timeouts.lines(records)]
     return replace(verdict, evidence=(*verdict.evidence, *found)) if found else verdict
+
+
+def lower_concurrency(limit: int, server: ServerInfo | None) -> str:
+    """Advice to run at most `limit` at once, with the switch that does it: the server's own, the
+    proxy's gate, and the sweep that proves it."""
+    own = server_described(server.source if server is not None else None).concurrency_switch(limit)
+    switch = f"the server's own {own}, or " if own else ""
+    return (f"to run at most {limit} at once: {switch}the proxy's --max-in-flight {limit} (for a server without "
+            f"such a setting, or several applications sharing one server); prove it with `llm-diag-proxy sweep "
+            f"--target PROXY --admin PROXY_ADMIN --model MODEL --admission {limit}`")
 
 
 def _context_shift_line(records: Sequence[ResponseRecord], server: ServerInfo | None) -> str | None:
@@ -367,6 +381,8 @@ CAUSE_WORDS: dict[str, str] = {
     "answer_incomplete:json": "answers asked to be JSON said they ended, but their JSON is not whole",
     "model_unloaded": "the server unloaded, swapped or evicted the model while answers ran (its own list of "
                       "loaded models stopped naming it), and they broke off",
+    "undelivered": "the server finished answers (its own spans say so) whose streams broke before their end: "
+                   "they were cut between the server's engine and the proxy",
 }
 
 
@@ -394,6 +410,8 @@ CAUSE_ADVICE: dict[str, str] = {
     "model_unloaded": "keep the model loaded while it serves: more memory for the models in rotation (Ollama "
                       "OLLAMA_MAX_LOADED_MODELS, llama.cpp's router --models-max), a longer keep-alive, or one "
                       "model per server",
+    "undelivered": "find what cuts streams between the server and the proxy: a gateway's or load balancer's "
+                   "timeout or buffer on that path, or the server's own HTTP layer (its logs at those times)",
 }
 
 

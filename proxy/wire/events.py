@@ -68,12 +68,16 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class ServerTimings:
-    """Durations reported by the server (Ollama's `*_duration` in ns, llama.cpp's `timings`)."""
+    """Durations reported by the server (Ollama's `*_duration` in ns, llama.cpp's `timings`, vLLM's
+    per-request `metrics`). `queue_s`: the time it says the request queued (vLLM); `source` names
+    who measured them for the record (`server_durations`, `server_metrics`)."""
 
     total_s: float | None = None
     load_s: float | None = None
     prompt_eval_s: float | None = None
     eval_s: float | None = None
+    queue_s: float | None = None
+    source: str = "server_durations"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ def test_bad_levels_are_a_config_error(bad: str) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--model", "m"], "the following arguments are required: --target"),
+    (["--model", "m"], "sweep needs --target and --model"),
     (["--target", "http://127.0.0.1:1", "--model", "m", "--levels", "1,zero"], "invalid level 'zero'"),
     (["--target", "ftp://x", "--model", "m"], "the scheme must be http or https"),
     (["--target", "http://127.0.0.1:1", "--model", "m", "--repeats", "0"], "must be at least 1"),

@@ -54,7 +54,25 @@ class TelemetryEnricher:
             facts.update(self._upstream(t0, t1))
             if record.model is not None and self._unloaded(record.model, t0, t1):
                 facts["model_unloaded"] = True
+            facts.update(self._kv_held(record))
         return facts or None
+
+    def _kv_held(self, record: ResponseRecord) -> ServerDuring:
+        """The KV-cache blocks the request held at its end, `ceil((prompt + output) / block_size)`, and
+        their share of the pool, by the server's own counts (usage or its span: never a count of the
+        proxy's, which is a lower bound) and the pool its metrics state (vLLM's cache_config_info)."""
+        server_counts = ("usage", "server_trace")
+        if (record.prompt_tokens is None or record.output_tokens is None or record.tokens_source not in server_counts
+                or record.prompt_tokens_source not in server_counts or (record.n or 1) > 1):
+            return {}
+        assert self.upstream_ring is not None
+        latest = self.upstream_ring.latest()
+        state = latest[1] if latest is not None else None
+        if state is None or state.kv_block_size is None:
+            return {}
+        held = -(-(record.prompt_tokens + record.output_tokens) // state.kv_block_size)
+        share = round(held / state.kv_blocks, 4) if state.kv_blocks else None
+        return {"kv_blocks_held": held, "kv_pool_share": share}
 
     def _unloaded(self, model: str, t0: float, t1: float) -> bool:
         """The server's own list of what it runs (Ollama's `/api/ps`, a llama.cpp router's `/v1/models`)

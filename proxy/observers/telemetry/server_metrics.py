@@ -45,7 +45,10 @@ SERVER_FAMILIES: dict[str, MetricNames] = {server.kind: server.metric_names for 
 _WANTED = frozenset(name for names in SERVER_FAMILIES.values()
                     for group in (names.running, names.waiting, names.kv_cache_usage, names.preemptions,
                                   names.request_preemptions, names.requests_finished)
-                    for name in group)
+                    for name in group) | {"vllm:cache_config_info"}
+# vLLM's KV cache as configured, in the labels of an info gauge (vllm/v1/metrics/loggers.py; the
+# labels are CacheConfig.metrics_info(): every field as text, num_gpu_blocks once known).
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class UpstreamState:
     requests_finished_total: float | None = None
     models: tuple[LoadedModel, ...] = ()
     lists_models: bool = False  # a list of loaded models (Ollama's /api/ps), not a metrics page
+    kv_block_size: int | None = None  # tokens per KV-cache block (vLLM's cache_config_info)
+    kv_blocks: int | None = None  # blocks in its KV-cache pool
     loaded: tuple[str, ...] | None = None  # the models it runs now, where it says (Ollama, a llama.cpp router,
     # LM Studio)
 
@@ -101,9 +106,13 @@ def parse_prometheus_state(text: str) -> UpstreamState | None:
     Raises ValueError on a line the Prometheus text parser rejects.
     """
     values: dict[str, list[float]] = {}
+    block_size = blocks = None
     for family in text_string_to_metric_families(_sample_lines(text)):
         for sample in family.samples:
-            if sample.name in _WANTED and not math.isnan(sample.value):
+            if sample.name == CACHE_CONFIG_INFO:
+                block_size = _label_count(sample.labels.get("block_size")) or block_size
+                blocks = _label_count(sample.labels.get("num_gpu_blocks")) or blocks
+            elif sample.name in _WANTED and not math.isnan(sample.value):
                 values.setdefault(sample.name, []).append(float(sample.value))
     for source, names in SERVER_FAMILIES.items():
         if not any(name in values for group in (names.running, names.waiting, names.kv_cache_usage,
@@ -124,8 +133,14 @@ def parse_prometheus_state(text: str) -> UpstreamState | None:
             preemptions_total=first(names.preemptions, sum),
             request_preemptions_total=first(names.request_preemptions, sum),
             requests_finished_total=first(names.requests_finished, sum),
+            kv_block_size=block_size, kv_blocks=blocks,
         )
     return None
+
+
+def _label_count(value: str | None) -> int | None:
+    """A positive count in a label's text ("None" and others: not said)."""
+    return int(value) if value is not None and value.isdigit() and 0 < int(value) < 1 << 40 else None
 
 
 def combined(states: list[UpstreamState], source: str) -> UpstreamState:

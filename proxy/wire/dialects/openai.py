@@ -86,6 +86,17 @@ def timings_of(timings: dict[str, Any]) -> ServerTimings:
                          eval_s=None if predicted_ms is None else predicted_ms * _MS)
 
 
+def metrics_of(metrics: dict[str, Any]) -> ServerTimings:
+    """vLLM's per-request `metrics` (`--enable-per-request-metrics`; milliseconds; vllm/entrypoints/
+    generate/base/serving.py, build_per_request_timing_metrics): queued, scheduled to first token
+    (the prefill), first to last token (the decode)."""
+    queue, prefill, decode = (as_number(metrics.get(key)) for key in
+                              ("queue_time_ms", "time_to_first_token_ms", "generation_time_ms"))
+    return ServerTimings(prompt_eval_s=None if prefill is None else prefill * _MS,
+                         eval_s=None if decode is None else decode * _MS,
+                         queue_s=None if queue is None else queue * _MS, source="server_metrics")
+
+
 def usage_of(usage: dict[str, Any]) -> Usage:
     details = usage.get("completion_tokens_details")
     reasoning = as_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
@@ -129,6 +140,9 @@ def events(obj: Any) -> list[Event]:
         found.append(timings_of(timings))
         if not isinstance(usage, dict):
             found.append(timings_usage(timings))
+    metrics = obj.get("metrics")
+    if isinstance(metrics, dict):
+        found.append(metrics_of(metrics))
     return found
 
 

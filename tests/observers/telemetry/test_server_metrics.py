@@ -38,7 +38,8 @@ OLLAMA_EMPTY = (FIXTURES / "ollama_ps_nothing_loaded.json").read_bytes()
 
 def test_vllm_v0_engine_metrics_use_gpu_cache_usage_perc_and_num_preemptions_total() -> None:
     assert parse_prometheus_state(VLLM_V0) == UpstreamState(
-        source="vllm", running=7.0, waiting=3.0, kv_cache_usage=0.9375, preemptions_total=12.0)
+        source="vllm", running=7.0, waiting=3.0, kv_cache_usage=0.9375, preemptions_total=12.0,
+        kv_block_size=16, kv_blocks=27910)  # its cache_config_info: the pool a request's KV blocks share
 
 
 def test_vllm_v1_engine_metrics_sum_counts_over_engines_and_take_the_fullest_kv_cache() -> None:
