@@ -317,7 +317,17 @@ def panels() -> list[dict[str, Any]]:
                ("sum by (model) ("
                 f"{from_birth('llm_proxy_server_after_disconnect_seconds', JIM, '_count', per_second=False)})",
                 "answers {{model}}")], unit="s", overrides=[right_axis("answers .*", "short")]),
-        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 86, "w": 24, "h": 4},
+        panel("timeseries", "The proxy's admission gate", "With --max-in-flight (or PUT /api/admission): the "
+              "generations waiting at the gate now, its limit, the p95 wait by model, and the refusals per interval "
+              "(a full queue or a wait past --queue-timeout: 503 with Retry-After, recorded rejected). Records: "
+              "/api/requests?stop_reason=rejected (stop_detail), queue_time_s with queue_time_source proxy.",
+              (0, 86, 24, 7),
+              [(f"sum(llm_proxy_admission_waiting{{{JI}}})", "waiting"),
+               (f"max(llm_proxy_admission_limit{{{JI}}})", "limit"),
+               (quantile(0.95, "llm_proxy_admission_wait_seconds", JIM, by="model"), "wait p95 {{model}}"),
+               (f"sum by (reason) ({counted('llm_proxy_admission_refused')})", "refused: {{reason}}")],
+              overrides=[right_axis("wait p95 .*", "s")]),
+        {"type": "text", "title": "Where the records are", "gridPos": {"x": 0, "y": 93, "w": 24, "h": 4},
          "options": {"mode": "markdown", "content": (
              "Every response has a record on the proxy's admin port (the `admin_url` variable above, default "
              "http://127.0.0.1:9464): `/api/requests?outcome=cut` lists the answers the serving layer cut, "

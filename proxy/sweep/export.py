@@ -29,13 +29,15 @@ CSV_COLUMNS = ("level", "index", "request_id", "record_source", "stop_label", *C
 
 
 def sweep_json(plan: Mapping[str, Any], summaries: Sequence[LevelSummary], verdict: Verdict,
-               samples: Sequence[Sample]) -> bytes:
-    """Every record with the plan, the per-level summaries and the verdict."""
+               samples: Sequence[Sample], arms: Sequence[Mapping[str, Any]] = ()) -> bytes:
+    """Every record with the plan, the per-level summaries and the verdict (and the second arm's, by
+    limit, where it ran)."""
     return orjson.dumps({
         "plan": dict(plan),
         "levels": [s.to_dict() for s in summaries],
         "verdict": verdict.to_dict(),
         "samples": [s.to_dict() for s in samples],
+        **({"arms": list(arms)} if arms else {}),
     }, option=orjson.OPT_INDENT_2)
 
 

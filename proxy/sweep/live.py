@@ -233,7 +233,28 @@ def count_lines(records: Sequence[ResponseRecord]) -> list[str]:
     untrusted = [f"{upstream}: {len(bad)} of {answered[upstream]} answers carry counts that cannot all be true "
                  f"({bad[-1].usage_mismatch}): its usage is not to be trusted for them"
                  for upstream, bad in sorted(mismatched.items(), key=lambda item: -len(item[1]))]
-    return untrusted + exact_truth_lines(records)
+    return untrusted + exact_truth_lines(records) + gate_lines(records)
+
+
+def gate_lines(records: Sequence[ResponseRecord]) -> list[str]:
+    """What the proxy's admission gate did: the answers since it first held one, how many complete, and
+    the wait at the proxy (p95), beside the same share before it."""
+    gated = [r for r in records if r.queue_time_source == "proxy" and r.queue_time_s is not None]
+    if not gated:
+        return []
+    since = min(r.started_at for r in gated)
+    answers = [r for r in records if r.outcome != "not_inference"]
+    after = [r for r in answers if r.started_at >= since]
+    before = [r for r in answers if r.started_at < since]
+    waits = sorted(r.queue_time_s or 0.0 for r in gated)
+    p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))]
+    complete = sum(1 for r in after if r.outcome in ("complete", "budget"))
+    line = (f"the proxy's admission gate: since it first held an answer, {complete} of {len(after)} answers "
+            f"complete ({complete / len(after):.0%})")
+    if before:
+        earlier = sum(1 for r in before if r.outcome in ("complete", "budget"))
+        line += f", against {earlier / len(before):.0%} before"
+    return [f"{line}; p95 wait at the gate {p95:.2f} s over {len(gated)} answers"]
 
 
 # How a length stop was settled without the server's own count of its output.

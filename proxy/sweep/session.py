@@ -119,10 +119,10 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
                                 progress)
         out.write(f"\nTHE SECOND ARM: the same levels under the proxy's admission gate\n{side_by_side(arms)}\n\n"
                   + "\n".join(verdict_lines(arms[0], arms[1:])) + "\n")
-        described["arms"] = [arm.to_dict() for arm in arms[1:]]
         if out_dir is not None:
             try:
-                (Path(out_dir) / "sweep.json").write_bytes(export.sweep_json(described, summaries, verdict, samples))
+                (Path(out_dir) / "sweep.json").write_bytes(export.sweep_json(
+                    described, summaries, verdict, samples, [arm.to_dict() for arm in arms[1:]]))
             except OSError as exc:
                 raise CliError(f"cannot write the sweep's files: {exc}") from None
     if written:

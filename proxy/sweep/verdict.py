@@ -93,9 +93,11 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     """The verdict for a sweep: `summaries` lowest level first, `groups` the samples per level;
     `server` is what the server says of its context, to name a length limit by its number."""
     verdict = _decide(summaries, groups, client_timeout_s, server)
-    if verdict.kind in ("policy", "serving_defect") and verdict.onset_level is not None and verdict.onset_level > 1:
+    whole_below = [s.level for s in summaries if verdict.onset_level is not None and s.level < verdict.onset_level]
+    if verdict.kind in ("policy", "serving_defect") and whole_below:
+        # The highest level seen whole, not the onset minus one: a level between them was never tried.
         verdict = replace(verdict, recommendation=f"{verdict.recommendation}; "
-                                                  f"{lower_concurrency(verdict.onset_level - 1, server)}")
+                                                  f"{lower_concurrency(max(whole_below), server)}")
     records = [s.record for samples in groups.values() for s in samples]
     shifted = _context_shift_line(records, server)
     found = [*([shifted] if shifted else []), *timeouts.lines(records)]

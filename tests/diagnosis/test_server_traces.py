@@ -105,3 +105,16 @@ def test_the_live_verdict_names_the_switches_for_exact_counts() -> None:
                            "and 1 left unknown")
     assert "--server-traces on" in line and "--otlp-traces-endpoint" in line and "--enable-force-include-usage" in line
     assert exact_truth_lines([stop("e", "requested_budget", "server_trace")]) == []
+
+
+def test_the_live_verdict_says_what_the_gate_did() -> None:
+    from proxy.sweep.live import gate_lines
+
+    before = [record(f"b{i}", started_at=1.0, stop_reason="length", length_cause="server_limit",
+                     length_cause_source="output_count") for i in range(4)]
+    after = [record(f"a{i}", started_at=10.0 + i, stop_reason="eos", queue_time_s=0.5 * i,
+                    queue_time_source="proxy") for i in range(5)]
+    (line,) = gate_lines([*before, *after])
+    assert line.startswith("the proxy's admission gate: since it first held an answer, 5 of 5 answers complete "
+                           "(100%), against 0% before; p95 wait at the gate 2.00 s")
+    assert gate_lines(before) == []
