@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -45,7 +46,9 @@ import orjson
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("direct", "nginx", "proxy", "bare")
+# `proxy` runs as users run it: its defaults (the history on, a log line per record, the upstream's
+# state polled); `nohist` is the same with `--history off`, beside it.
+TARGETS = ("direct", "nginx", "proxy", "nohist", "bare")
 
 
 def free_port() -> int:
@@ -81,9 +84,42 @@ EXTRA_EVENTS = 4  # role, finish, usage, [DONE]
 WARM_UP = 1000  # short requests per relay before its fixed cost is measured
 
 
+class Steps:
+    """A continuous-batching engine's steps, as vLLM's: every `interval` each running stream gets its next
+    token, all in the same step (so a relay meets them in bursts, as it does in front of a real server)."""
+
+    def __init__(self) -> None:
+        self.waiting: list[asyncio.Future[None]] = []
+        self.running = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def next(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        step: asyncio.Future[None] = loop.create_future()
+        self.waiting.append(step)
+        if not self.running:
+            self.running = True
+            self.task = loop.create_task(self._run(interval))
+        await step
+
+    async def _run(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        at = loop.time()
+        while self.waiting:
+            at += interval
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            due, self.waiting = self.waiting, []
+            for step in due:
+                step.set_result(None)
+        self.running = False
+
+
 def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
-    """The upstream server (`reuse_port`: one of several processes on one port, as scaling.py runs it)."""
+    """The upstream server (`reuse_port`: one of several processes on one port, as scaling.py runs it).
+    Paced (`X-Bench-Interval`): the first token at once (TTFT measures the path, not the engine), the
+    others at the engine's steps, shared by every running stream."""
     role, body, final = stream_events(tokens)
+    steps = Steps()
 
     async def stream(request: web.Request) -> web.StreamResponse:
         asked = orjson.loads(await request.read()).get("max_tokens") or tokens
@@ -94,12 +130,9 @@ def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
         await response.write(role)
         events = body[:asked]
         if interval:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
             for i, event in enumerate(events):
-                delay = start + i * interval - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                if i:
+                    await steps.next(interval)
                 await response.write(event)
         else:
             for i in range(0, len(events), batch):
@@ -184,7 +217,8 @@ async def level(url: str, concurrency: int, rounds: int, max_tokens: int,
 
 async def staggered(url: str, concurrency: int, per_slot: int, max_tokens: int, interval: float) -> list[float]:
     """A steady load of `concurrency` paced streams whose starts are spread over one stream's
-    length (as on a busy server, not a burst); each slot sends `per_slot` in a row. The TTFTs."""
+    length (as on a busy server, not a burst); each slot sends `per_slot` in a row, each at a random
+    phase of the engine's step. The TTFTs."""
     headers = {"X-Bench-Interval": str(interval)}
     length = max_tokens * interval
     ttfts: list[float] = []
@@ -196,6 +230,7 @@ async def staggered(url: str, concurrency: int, per_slot: int, max_tokens: int, 
             for _ in range(per_slot):
                 ttft, _ = await one_stream(session, url, max_tokens, headers)
                 ttfts.append(ttft)
+                await asyncio.sleep(random.random() * interval)  # the next at a random phase of the step
 
         await asyncio.gather(*(slot(i) for i in range(concurrency)))
     return ttfts
@@ -328,9 +363,9 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
                                                     preexec_fn=relay_pinned, stderr=subprocess.DEVNULL)
         wait_for(port)
         setup.urls["nginx"] = f"http://127.0.0.1:{port}/v1/chat/completions"
-    common = ["--upstream", f"http://127.0.0.1:{up_port}", "--gpu-poll-interval", "0", "--upstream-metrics", "off",
-              "--log-format", "json"]
-    proxy_only = ["--history", str(tmp / "history.sqlite3") if args.history else "off"]
+    common = ["--upstream", f"http://127.0.0.1:{up_port}", "--log-format", "json"]
+    # The default history is a SQLite file in the user's state folder; here one of the run's own.
+    proxy_only = ["--history", "off" if args.history_off else str(tmp / "history.sqlite3")]
     workers = ["--workers", str(args.workers)] if args.workers != 1 else []
     history_target = args.history_to
     if history_target == "postgres":  # a real PostgreSQL of its own, on the generator's cores
@@ -345,8 +380,9 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
             postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
             os.sched_setaffinity(postmaster, load_cores)  # its backends, forked later, inherit it
     for name, command in (("proxy", ["-m", "proxy", "serve", *workers, *proxy_only]),
+                          ("nohist", ["-m", "proxy", "serve", *workers, "--history", "off"]),
                           ("history", ["-m", "proxy", "serve", *workers, "--history", history_target or "off"]),
-                          ("baseline", ["-m", "proxy", "serve"]),
+                          ("baseline", ["-m", "proxy", "serve", "--history", str(tmp / "baseline.sqlite3")]),
                           ("bare", ["benchmarks/bare_passthrough.py"])):
         if name not in args.targets:
             continue
@@ -376,7 +412,8 @@ def main() -> int:
     parser.add_argument("--ttft-samples", type=int, default=200,
                         help="single requests per target, in turn, for the idle TTFT (0 = skip)")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
-    parser.add_argument("--history", action="store_true", help="the proxy writes its history (SQLite) meanwhile")
+    parser.add_argument("--history-off", action="store_true",
+                        help="`proxy` without its history (by default it runs with its defaults: the history on)")
     parser.add_argument("--history-to", default=None, metavar="postgres|URL|PATH",
                         help="measure a second proxy, `history`, beside `proxy`, writing its records there: "
                              "`postgres` starts a real PostgreSQL for the run (tests/support/postgres.py)")
@@ -385,7 +422,7 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout of this repository (git worktree add DIR REV): its proxy is measured "
                              "too, as `baseline`, with the same flags (less --history and --workers)")
-    parser.add_argument("--targets", default="direct,nginx,proxy",
+    parser.add_argument("--targets", default="direct,nginx,proxy,nohist",
                         help=f"comma-separated, of {', '.join(TARGETS)} (direct is always measured)")
     parser.add_argument("--role", choices=("bench", "upstream"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -430,7 +467,8 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
         pass
     levels = [int(x) for x in args.levels.split(",")]
     print(f"# {time.strftime('%Y-%m-%d')}: relay overhead, OpenAI chat-completion SSE; proxy --workers "
-          f"{args.workers}, history {'on' if args.history else 'off'}{history_note(args.history_to)}; "
+          f"{args.workers}, history {'off' if args.history_off else 'on (the defaults)'}"
+          f"{'; nohist: the same with --history off' if 'nohist' in relays else ''}{history_note(args.history_to)}; "
           f"{os.cpu_count()} CPUs; pinning: {setup.pinning}")
     print(f"# unpaced: {args.tokens}-token streams, {args.batch} events per upstream write, {args.rounds} "
           f"closed-loop rounds per level, the relays' rounds in turn (the median round shown); "
