@@ -189,6 +189,14 @@ def parse_duration(value: str) -> float:
     return seconds
 
 
+def parse_positive_duration(value: str) -> float:
+    """A duration that cannot be off: `0.5`, `10s`, `2m`."""
+    seconds = parse_duration(value)
+    if seconds == 0:
+        raise ConfigError(f"invalid duration {value!r}: must be positive")
+    return seconds
+
+
 def parse_size(value: str) -> int:
     """`1073741824`, `500MB`, `1GiB`, `2g` -> bytes (non-negative; 0 means no limit)."""
     text = value.strip().lower().replace(" ", "")

@@ -26,6 +26,7 @@ from proxy.config import (
     parse_duration,
     parse_host_names,
     parse_host_port,
+    parse_positive_duration,
     parse_positive_int,
     parse_positive_seconds,
     parse_seconds,
@@ -107,7 +108,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf) and join each to its record: the "
                              "server's token counts, queue time and end decide what the wire leaves open "
                              "(default off; env LLM_DIAG_SERVER_TRACES)")
-    parser.add_argument("--server-traces-wait", type=flag_type(parse_positive_seconds), default=10.0,
+    parser.add_argument("--server-traces-wait", type=flag_type(parse_positive_duration), default=10.0,
                         metavar="DURATION",
                         help="how long a finished answer waits for the server's span before it is recorded "
                              "without it (default 10s: vLLM's exporter sends every 5 s unless "
@@ -119,7 +120,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-max", type=flag_type(parse_positive_int), default=1024, metavar="N",
                         help="with the gate: at most N generations waiting; past it a 503 with Retry-After "
                              "(default %(default)s)")
-    parser.add_argument("--queue-timeout", type=flag_type(parse_positive_seconds), default=None, metavar="DURATION",
+    parser.add_argument("--queue-timeout", type=flag_type(parse_positive_duration), default=None, metavar="DURATION",
                         help="with the gate: the longest a generation waits for its place, then a 503 with "
                              "Retry-After (default: as long as it takes)")
     parser.add_argument("--backlog", type=flag_type(parse_positive_int), default=2048, metavar="N",

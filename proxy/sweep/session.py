@@ -19,6 +19,7 @@ from proxy.config import CliError
 from proxy.servers.base import ServerInfo
 from proxy.sweep import export, open_loop, table
 from proxy.sweep.arms import Arm, ArmError, Gate, compare_lines, side_by_side, verdict_lines
+from proxy.sweep.live import exact_truth_lines
 from proxy.sweep.open_loop import Slo, parse_slo
 from proxy.sweep.progress import ProgressBar
 from proxy.sweep.runner import SweepError, SweepPlan, run_sweep
@@ -114,6 +115,8 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
         source += (f"; {len(notes)} used the sweep's own record instead ({notes[0]}); is --target the proxy "
                    "that --admin belongs to?")
     out.write(f"{rates_text}{table.render(summaries)}\n({source})\n\n{verdict.text()}\n")
+    for line in exact_truth_lines([s.record for s in samples]):  # how to have the server's own counts
+        out.write(f"  note: {line}\n")
     if admission:
         arms = await second_arm(plan, Arm.of(None, summaries, verdict, samples), admission, gated_timeout_s,
                                 progress)

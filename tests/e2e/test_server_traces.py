@@ -215,3 +215,29 @@ async def wait_for(running: RunningProxy, rid: str, done: Any, timeout_s: float 
         if loop.time() > until:
             raise AssertionError(f"{rid}: {record}")
         await asyncio.sleep(0.02)
+
+
+async def test_with_workers_every_worker_hears_the_spans_and_joins_its_own(fake: FakeVllm, tmp_path: Any) -> None:
+    """`--workers 2`: the supervisor's admin listener takes the spans and tells every worker; the worker
+    that made a record joins it, and the record (read through the supervisor) says so."""
+    from tests.support.proxies import start_served
+
+    served = await start_served(fake.url, tmp_path, "--server-traces", "on", "--server-traces-wait", "5s",
+                                workers=2)
+    try:
+        fake.traces_to = served.admin_url + "/v1/traces"
+        client = openai.AsyncOpenAI(base_url=served.proxy_url + "/v1", api_key="k", max_retries=0)
+        for n in range(6):  # the first spans make every worker expect them; later records wait for theirs
+            [c async for c in await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, stream=True, max_tokens=12, extra_headers={"X-Request-Id": f"w-{n}"})]
+            await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                async with session.get(served.admin_url + "/api/requests/w-5") as response:
+                    found = await response.json() if response.status == 200 else {}
+                if found.get("server_trace") == "joined":
+                    break
+                await asyncio.sleep(0.1)
+        assert (found.get("server_trace"), found.get("length_cause_source")) == ("joined", "server_trace"), found
+    finally:
+        served.stop()
