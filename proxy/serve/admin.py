@@ -264,7 +264,8 @@ def build_admin_app(records: RecordSource, registry: CollectorRegistry, upstream
     async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
         """The page and the record API answer only a `Host` that is no stranger's name: a web page
         that rebinds its own name to 127.0.0.1 finds nothing (the scrape and the probes stay open)."""
-        if (request.path.startswith("/api/") or request.path == "/") and not allowed_host(request.host, allowed_hosts):
+        if (request.path.startswith("/api/") or request.path in ("/", TRACES)) and not allowed_host(request.host,
+                                                                                                   allowed_hosts):
             return _error(403, "forbidden_host", "this Host is not one the admin listener answers; add it with "
                                                  "--admin-allowed-hosts")
         return await handler(request)

@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.servers.traces import NotTraces, ServerSpan, decode
 
 MAX_BODY = 4 * 1024 * 1024
+CONTENT_TYPES = frozenset({"application/x-protobuf", "application/protobuf", "application/json"})
 SPANS_PER_S = 2000.0
 
 
@@ -43,6 +44,11 @@ class TraceReceiver:
         return allowed
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.content_type not in CONTENT_TYPES:
+            # (Only types a browser cannot send across origins without asking first: no web page can
+            # post spans into the records.)
+            return _refused(415, "unsupported_media_type", "an OTLP/HTTP trace export is application/x-protobuf "
+                                                           "or application/json")
         json_body = request.content_type == "application/json"
         if request.content_length is not None and request.content_length > self.max_body:
             return _refused(413, "too_large", f"a trace export of at most {self.max_body} bytes is read")

@@ -164,6 +164,11 @@ async def test_the_receiver_is_bounded_and_guarded(fake: FakeVllm, make_proxy: P
         async with session.post(url, data=b"\xff\x01garbage", headers={
                 **auth, "Content-Type": "application/x-protobuf"}) as response:
             assert response.status == 400 and (await response.json())["error"]["code"] == "not_traces"
+        async with session.post(url, data=b"{}", headers={**auth, "Content-Type": "text/plain"}) as response:
+            assert response.status == 415  # what a web page could post across origins is refused
+        async with session.post(url, data=b"{}", headers={**auth, "Content-Type": "application/json",
+                                                          "Host": "rebound.example"}) as response:
+            assert response.status == 403
         async with session.post(url, data=b"0" * (5 * 1024 * 1024), headers={
                 **auth, "Content-Type": "application/x-protobuf"}) as response:
             assert response.status == 413

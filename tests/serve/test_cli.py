@@ -25,6 +25,10 @@ from tests.support.ports import free_port
     ["--deadline-mode", "sometimes"],
     ["--ring-size", "0"],
     ["--no-such-flag"],
+    ["--max-in-flight", "0"],
+    ["--queue-timeout", "0"],
+    ["--server-traces", "maybe"],
+    ["--server-traces-wait", "soon"],
 ])
 def test_bad_flag_is_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -33,6 +37,14 @@ def test_bad_flag_is_one_line_and_exit_2(argv: list[str], capsys: pytest.Capture
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("llm-diag-proxy: error:")
     assert "Traceback" not in err
+
+
+def test_the_gate_with_workers_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--max-in-flight", "2", "--workers", "2", "--listen", "127.0.0.1:0",
+                 "--admin-listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("llm-diag-proxy: error: --max-in-flight needs one process: the gate's queue is not shared "
+                   "between --workers yet\n")
 
 
 def test_bad_environment_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
