@@ -118,3 +118,43 @@ def test_the_live_verdict_says_what_the_gate_did() -> None:
     assert line.startswith("the proxy's admission gate: since it first held an answer, 5 of 5 answers complete "
                            "(100%), against 0% before; p95 wait at the gate 2.00 s")
     assert gate_lines(before) == []
+
+
+async def test_spans_of_requests_the_proxy_never_saw_are_counted_once_their_hold_ends() -> None:
+    now = [0.0]
+    counted: list[str] = []
+    join = TraceJoin(lambda r, q, a: None, TraceLimits(span_hold_s=30), lambda result, n: counted.extend([result] * n),
+                     clock=lambda: now[0])
+    join.receive([span("nobody-1"), span("nobody-2")])
+    assert counted == []
+    now[0] = 31.0
+    join.receive([])  # (each receipt lets the old ones go)
+    assert counted == ["unmatched", "unmatched"]
+
+
+async def test_a_flood_of_spans_is_cut_to_the_rate_and_the_exporter_told() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    from proxy.serve.trace_receiver import TraceReceiver
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for n in range(50):
+        provider.get_tracer("vllm").start_span("llm_request", attributes={"gen_ai.request.id": f"chatcmpl-{n}",
+                                                                          "gen_ai.usage.completion_tokens": 3}).end()
+    body = encode_spans(exporter.get_finished_spans()).SerializeToString()
+    taken: list[ServerSpan] = []
+    counted: list[str] = []
+    receiver = TraceReceiver(taken.extend, lambda result, n: counted.extend([result] * n), spans_per_s=10,
+                             clock=lambda: 0.0)
+    app = web.Application()
+    app.router.add_post("/v1/traces", receiver.handle)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/v1/traces", data=body, headers={"Content-Type": "application/x-protobuf"})
+        assert response.status == 200
+        answer = ExportTraceServiceResponse.FromString(await response.read())
+    assert len(taken) == 10 and counted.count("dropped") == 40
+    assert answer.partial_success.rejected_spans == 40
