@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.diagnosis.recorder import server_queue
-from proxy.diagnosis.writable import make_writable
 from proxy.record import COMPLETE_STOP_REASONS, ResponseRecord
 from proxy.servers.base import TokenizerQuery
 from proxy.servers.traces import ServerSpan
@@ -219,8 +218,7 @@ def apply_span(record: ResponseRecord, span: ServerSpan, query: TokenizerQuery |
         record.server_times_source = "server_trace"
     query = _length_cause(record, span, query)
     _delivery(record, span, delivered)
-    make_writable(record)
-    return query
+    return query  # (made writable with every record on its way to the observers)
 
 
 def _length_cause(record: ResponseRecord, span: ServerSpan, query: TokenizerQuery | None) -> TokenizerQuery | None:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import aiohttp
 import structlog
 
 from proxy.servers import KINDS, SERVERS, server_of
 from proxy.servers.answers import ServerAnswers
-from proxy.servers.base import UNKNOWN_SERVER, ServerIdentity, ServerInfo, contexts_text, info_from_dict
+from proxy.servers.base import UNKNOWN_SERVER, Server, ServerIdentity, ServerInfo, contexts_text, info_from_dict
+
+T = TypeVar("T")
 
 _log = structlog.get_logger("llm_diag_proxy.server")
 
@@ -30,20 +32,22 @@ MAX_MODELS_ASKED = 64  # models named in requests that the server is asked about
 async def read_identity(session: aiohttp.ClientSession, base: str, models: tuple[str, ...] = ()) -> ServerIdentity:
     """Which server `base` is and each model's context (a llama.cpp router is asked about each of
     `models`); UNKNOWN_SERVER when none answers as its kind does."""
-    answers = ServerAnswers(session, base)
-    for server in SERVERS:
-        found = await server.identify(answers, models)
-        if found is not None:
-            return found
-    return UNKNOWN_SERVER
+    found = await _first(session, base, lambda server, answers: server.identify(answers, models))
+    return found if found is not None else UNKNOWN_SERVER
 
 
 async def read_context(session: aiohttp.ClientSession, base: str, model: str) -> ServerInfo | None:
     """The context `model` gets, in the first place a server says it (llama.cpp's `/props`, then any
     `/v1/models` that lists `max_model_len`, then Ollama's `/api/ps`); None if none says."""
+    return await _first(session, base, lambda server, answers: server.context_for(answers, model))
+
+
+async def _first(session: aiohttp.ClientSession, base: str,
+                 ask: Callable[[Server, ServerAnswers], Awaitable[T | None]]) -> T | None:
+    """The first server kind's answer that is not None, in the order kinds are recognized."""
     answers = ServerAnswers(session, base)
     for server in SERVERS:
-        found = await server.context_for(answers, model)
+        found = await ask(server, answers)
         if found is not None:
             return found
     return None

@@ -122,7 +122,7 @@ async def execute(plan: SweepPlan, *, out_dir: str | None, report_path: str | No
                                 progress)
         out.write(f"\nTHE SECOND ARM: the same levels under the proxy's admission gate\n{side_by_side(arms)}\n\n"
                   + "\n".join(verdict_lines(arms[0], arms[1:])) + "\n")
-        if out_dir is not None:
+        if out_dir is not None:  # (again, with the arms: the first arm's files stand if the second is cut short)
             try:
                 (Path(out_dir) / "sweep.json").write_bytes(export.sweep_json(
                     described, summaries, verdict, samples, [arm.to_dict() for arm in arms[1:]]))

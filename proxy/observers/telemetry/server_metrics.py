@@ -32,6 +32,7 @@ from proxy.servers.ollama import SERVER as OLLAMA
 from proxy.servers.vllm import SERVER as VLLM
 
 _log = structlog.get_logger("llm_diag_proxy.telemetry")
+OLLAMA_PS = "/api/ps"
 OLLAMA_KIND = OLLAMA.kind  # the source label of a list of loaded models
 VLLM_KIND = VLLM.kind  # the label said of a metrics page not read yet
 
@@ -337,20 +338,23 @@ class UpstreamPoller:
                     raise
             self.router = True
             return await self._router_state()
-        if self.lists_at != lmstudio.MODELS_PATH:
-            try:
-                body = await self._get("/api/ps")
-            except UpstreamFetchError as exc:
-                if exc.kind != "http_404" or self.lists_at == "/api/ps":
-                    raise
-                return await self._lmstudio_state()  # no /api/ps: LM Studio's own list, perhaps
-            try:
-                state = parse_ollama_ps(body)
-            except ValueError as exc:
-                raise UpstreamFetchError("parse", f"/api/ps: {exc}") from None
-            self.lists_at = "/api/ps"
-            return state
-        return await self._lmstudio_state()
+        if self.lists_at == lmstudio.MODELS_PATH:
+            return await self._lmstudio_state()
+        try:
+            return await self._ollama_state()
+        except UpstreamFetchError as exc:
+            if exc.kind != "http_404" or self.lists_at == OLLAMA_PS:
+                raise
+        return await self._lmstudio_state()  # no /api/ps: LM Studio's own list, perhaps
+
+    async def _ollama_state(self) -> UpstreamState:
+        body = await self._get(OLLAMA_PS)
+        try:
+            state = parse_ollama_ps(body)
+        except ValueError as exc:
+            raise UpstreamFetchError("parse", f"{OLLAMA_PS}: {exc}") from None
+        self.lists_at = OLLAMA_PS
+        return state
 
     async def _lmstudio_state(self) -> UpstreamState:
         """LM Studio's list of its models (`/api/v0/models`): which it runs now, nothing more."""
