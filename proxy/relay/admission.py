@@ -45,7 +45,6 @@ class AdmissionGate:
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
         self._turn: deque[str] = deque()  # clients with waiters, in the order they get the next place
         self.waiting = 0
-        self.admitted_total = 0
 
     @property
     def on(self) -> bool:
@@ -62,7 +61,6 @@ class AdmissionGate:
         limit = self.settings.max_in_flight
         if limit is None or (self.in_flight < limit and not self.waiting):
             self.in_flight += 1
-            self.admitted_total += 1
             return 0.0
         if self.waiting >= self.settings.queue_max:
             raise Refused("queue_full", f"the proxy's admission queue is full ({self.waiting} waiting for "
@@ -92,7 +90,6 @@ class AdmissionGate:
             else:
                 self._forget(key, waiter)
             raise
-        self.admitted_total += 1
         return self._clock() - started
 
     def leave(self) -> None:
