@@ -28,7 +28,7 @@ from proxy.serve.admin import UpstreamReachability, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.process import RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.trace_receiver import TraceReceiver
-from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
+from proxy.serve.wiring import about, history_shown, run_loop, settle_heap, until_stopped, upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
 
@@ -162,6 +162,7 @@ async def _serve(config: ProxyConfig) -> int:
     except TracingUnavailable as exc:
         print(f"llm-diag-proxy: error: --otel: {exc}", file=sys.stderr)
         return 2
+    settle_heap()
     _log.info("listening", proxy=running.proxy_url, admin=running.admin_url, upstream=config.upstream,
               deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
               deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,

@@ -79,7 +79,7 @@ from proxy.serve.messages import (
 from proxy.serve.process import END_WAIT_S, RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.shared import DELIVERED, OPEN, Ledger, SharedState
 from proxy.serve.trace_receiver import TraceReceiver
-from proxy.serve.wiring import about, history_shown, run_loop, until_stopped, upstream_session
+from proxy.serve.wiring import about, history_shown, run_loop, settle_heap, until_stopped, upstream_session
 from proxy.servers.base import UNKNOWN_SERVER
 from proxy.servers.identity import IdentityPoller
 from proxy.wire.parse_bytes import ParseBytes
@@ -169,6 +169,7 @@ async def _worker(args: WorkerArgs) -> None:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     url = await serving.listen(reuse_port=True)
+    settle_heap()
     link.tell(Listening(url, os.getpid()))
     sender = loop.create_task(_send_snapshots(link, answers, ledger), name="metrics-snapshots")
     await stop.wait()
