@@ -19,6 +19,7 @@ Then the idle TTFT of single requests, each target in turn.
     python benchmarks/overhead.py                       # the whole table
     python benchmarks/overhead.py --workers 2           # the proxy with two worker processes
     python benchmarks/overhead.py --targets direct,proxy,bare   # bare aiohttp: the stack's floor
+    python benchmarks/overhead.py --targets direct,nginx,proxy,raw   # raw asyncio protocols: Python's floor
     python benchmarks/overhead.py --baseline ../before   # and an older checkout, side by side
 
 Never run as a timed test: the figures depend on the machine, and docs/overhead.md quotes one run.
@@ -48,7 +49,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 # `proxy` runs as users run it: its defaults (the history on, a log line per record, the upstream's
 # state polled); `nohist` is the same with `--history off`, beside it.
-TARGETS = ("direct", "nginx", "proxy", "nohist", "bare")
+TARGETS = ("direct", "nginx", "proxy", "nohist", "bare", "raw")
 
 
 def free_port() -> int:
@@ -383,7 +384,8 @@ def start(args: argparse.Namespace, tmp: Path) -> Setup:
                           ("nohist", ["-m", "proxy", "serve", *workers, "--history", "off"]),
                           ("history", ["-m", "proxy", "serve", *workers, "--history", history_target or "off"]),
                           ("baseline", ["-m", "proxy", "serve", "--history", str(tmp / "baseline.sqlite3")]),
-                          ("bare", ["benchmarks/bare_passthrough.py"])):
+                          ("bare", ["benchmarks/bare_passthrough.py"]),
+                          ("raw", ["benchmarks/raw_passthrough.py"])):
         if name not in args.targets:
             continue
         port, admin = free_port(), free_port()
