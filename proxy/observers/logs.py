@@ -100,6 +100,32 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None
         logger_factory=factory,
         cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, LibraryLines)]:
+        root.removeHandler(handler)
+    root.addHandler(LibraryLines(max(logging.WARNING, _LEVELS.get(level, logging.INFO))))
+
+
+class LibraryLines(logging.Handler):
+    """The libraries' own warnings (aiohttp's server, asyncio's loop) as lines of the proxy's log, in
+    its format: without it they reach stderr as bare text beside the JSON lines (Python's last-resort
+    handler), and a traceback with them. An exception is named by its type, its message and where
+    it was raised, never by its traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields: dict[str, Any] = {"logger": record.name}
+            error = record.exc_info[1] if record.exc_info else None
+            if error is not None:
+                fields["error"] = f"{type(error).__name__}: {error}"[:300]
+                frame = error.__traceback__
+                while frame is not None and frame.tb_next is not None:
+                    frame = frame.tb_next
+                if frame is not None:
+                    fields["at"] = f"{frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
+            structlog.get_logger("llm_diag_proxy").log(record.levelno, record.getMessage()[:1000], **fields)
+        except Exception:  # a log that cannot be written (stdout gone): nowhere left to say so
+            return
 
 
 class _Clock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,3 +175,33 @@ def test_a_delivered_record_holds_only_text_utf8_can_write(stdout: _Stdout) -> N
     assert record.upstream_error_detail is detail and record.observer_errors == []
     line = orjson.loads(stdout.buffer.getvalue())
     assert line["model"] == "?m" and line["upstream_error_detail"] == "café ☕"
+
+
+def test_a_librarys_warning_is_a_line_of_the_proxys_log_without_its_traceback(stdout: _Stdout) -> None:
+    logs.configure_logging("info", "json", stream=stdout)
+    server = logging.getLogger("aiohttp.server")
+    server.warning("Error handling request from %s: %s", "127.0.0.1", "ClientConnectionResetError")
+    try:
+        raise ConnectionResetError("Connection lost")
+    except ConnectionResetError:
+        logging.getLogger("asyncio").exception("Exception in callback %s", "Handle._run")
+    logging.getLogger("aiohttp.access").info("an access line: below what the libraries may say")
+    lines = [orjson.loads(line) for line in stdout.buffer.getvalue().splitlines()]
+    assert [(line["event"], line["level"], line["logger"]) for line in lines] == [
+        ("Error handling request from 127.0.0.1: ClientConnectionResetError", "warning", "aiohttp.server"),
+        ("Exception in callback Handle._run", "error", "asyncio")]
+    assert lines[1]["error"] == "ConnectionResetError: Connection lost"
+    assert lines[1]["at"].startswith("test_logs.py:") and "Traceback" not in stdout.buffer.getvalue().decode()
+
+
+def test_configured_again_the_libraries_lines_are_written_once(stdout: _Stdout) -> None:
+    logs.configure_logging("info", "json", stream=stdout)
+    logs.configure_logging("info", "json", stream=stdout)
+    logging.getLogger("aiohttp.server").warning("once")
+    assert len(stdout.buffer.getvalue().splitlines()) == 1
+
+
+def test_no_library_line_below_the_log_level(stdout: _Stdout) -> None:
+    logs.configure_logging("error", "json", stream=stdout)
+    logging.getLogger("aiohttp.server").warning("not at error")
+    assert stdout.buffer.getvalue() == b""
