@@ -232,6 +232,7 @@ class _Exchange:
         self.deadlines = deadlines
         self.max_gap = 0.0
         self.notified_start = False
+        self.request_read = False  # the body was read for the record (`_read_request`)
         self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
         self.forwarder = forwarder
         self.gated = False  # it waits for a place at the admission gate
@@ -289,9 +290,8 @@ class _Exchange:
         except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
             recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
-        recorder.request_body(body.held, body.note)
-        self._notify_start()  # (after the body: the record names the model it asks for)
         if self.gated:
+            self._read_request()  # (the record names the model it waits for)
             refused = await self.wait_for_place()
             if refused is not None:
                 return refused
@@ -302,8 +302,11 @@ class _Exchange:
         if self.authorization is not None and "Authorization" not in headers:
             headers["Authorization"] = self.authorization
         try:
-            async with self.deadlines.guard():
-                upstream = await self._send(headers, body.outgoing(headers))
+            try:
+                async with self.deadlines.guard():
+                    upstream = await self._send(headers, body.outgoing(headers))
+            finally:
+                self._read_request()  # (sent or not: the record reads what was asked)
         except TimeoutError:
             fired = self.deadlines.fired
             if fired == "shutdown":
@@ -343,9 +346,20 @@ class _Exchange:
         """
         count = SendCount()
         try:
-            return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count)
+            return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count,
+                                        sent=self._read_request)
         finally:
             self.recorder.sent(count.retries)
+
+    def _read_request(self) -> None:
+        """The request body read for the record and the exchange's start told, once: as soon as
+        the request is on its way upstream (the pool calls it after its write), so that the server
+        works on it meanwhile and the first token waits for neither."""
+        if self.request_read:
+            return
+        self.request_read = True
+        self.recorder.request_body(self.body.held, self.body.note)
+        self._notify_start()  # (after the body: the record names the model it asks for)
 
     def _answer(self, status: int, kind: str, message: str) -> web.Response:
         """The proxy's own JSON answer, for when the upstream gave none."""

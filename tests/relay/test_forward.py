@@ -199,6 +199,42 @@ async def test_an_upstream_that_cannot_be_reached_is_a_502_and_still_one_record(
     assert ends.records[0].upstream_error == "connect"
 
 
+async def test_the_request_is_upstream_before_the_record_reads_its_body(exchange: Any) -> None:
+    """The server works on the request while the record reads what it asks for: the diagnosis
+    is not on the way to the first token."""
+    upstream_had: list[bytes] = []
+    original = Recorder.request_body
+
+    def reading(recorder: Recorder, body: Any, note: str | None = None) -> None:
+        upstream_had.append(bytes(exchange.upstream_transport.written))
+        original(recorder, body, note)
+
+    Recorder.request_body = reading  # type: ignore[method-assign]
+    try:
+        handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+        await until(lambda: bool(exchange.ends.started))
+        assert upstream_had and upstream_had[0].endswith(CHAT)  # sent whole, then read
+        assert exchange.ends.started[0].model == "m"  # and the start told with the model it asks for
+        exchange.upstream.data_received(SSE_HEAD + b"0\r\n\r\n")
+        await asyncio.wait_for(handled, 2)
+    finally:
+        Recorder.request_body = original  # type: ignore[method-assign]
+    assert len(upstream_had) == 1 and exchange.ends.records[0].requested_max_tokens == 8
+
+
+async def test_a_request_that_never_went_upstream_still_names_what_it_asked() -> None:
+    async def unreachable() -> tuple[Connection, bool]:
+        raise UpstreamUnreachable(ConnectionRefusedError(111, "Connection refused"))
+
+    forwarder, ends = relay(unreachable)
+    forwarder.refuse_new()  # shutting down: the send is never tried
+    response = await forwarder.handle(Client().request())
+    assert response.status == 503
+    (record,) = ends.records
+    assert (record.model, record.requested_max_tokens, record.stream) == ("m", 8, True)
+    assert ends.started[0] is record
+
+
 async def test_a_pooled_connection_says_its_state_to_its_pool() -> None:
     connection, _ = upstream_connection()
     assert connection.state is ConnectionState.TAKEN  # a new one is opened for a request
