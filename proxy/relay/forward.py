@@ -347,7 +347,7 @@ class _Exchange:
         count = SendCount()
         try:
             return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count,
-                                        sent=self._read_request)
+                                        written=self._read_request)
         finally:
             self.recorder.sent(count.retries)
 

@@ -125,9 +125,9 @@ class UpstreamPool:
 
     # --- sending ------------------------------------------------------------------------------
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Outgoing,
-                   count: SendCount, sent: Callable[[], None] = lambda: None) -> UpstreamResponse:
+                   count: SendCount, written: Callable[[], None] = lambda: None) -> UpstreamResponse:
         """Send one request and return its answer once the head has come; `count` counts each
-        send again (see the module's docstring); `sent()` is called each time the request was
+        send again (see the module's docstring); `written()` is called each time the request was
         written, before its answer is awaited."""
         if body is None and method not in _BODILESS and "Content-Length" not in headers \
                 and "Transfer-Encoding" not in headers:
@@ -142,7 +142,7 @@ class UpstreamPool:
         while True:
             protocol, pooled = await self._connection()
             try:
-                return await self._exchange(protocol, method, head, body, chunked, sent)
+                return await self._exchange(protocol, method, head, body, chunked, written)
             except (ClientOSError, ServerDisconnectedError):
                 # Sent again only when not one byte of its answer came: a begun answer is an answer.
                 if not (again and pooled and protocol.received == 0):
@@ -151,7 +151,7 @@ class UpstreamPool:
                 count.retries += 1
 
     async def _exchange(self, protocol: Connection, method: str, head: bytes, body: Outgoing,
-                        chunked: bool, sent: Callable[[], None]) -> UpstreamResponse:
+                        chunked: bool, written: Callable[[], None]) -> UpstreamResponse:
         protocol.expect_answer(method == "HEAD")
         transport = protocol.transport
         assert transport is not None
@@ -168,7 +168,7 @@ class UpstreamPool:
             transport.write(head)
             writer = asyncio.get_running_loop().create_task(protocol.send_body(body, chunked))
         try:
-            sent()
+            written()
             while True:
                 try:
                     message, payload = await protocol.read()
