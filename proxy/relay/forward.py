@@ -399,7 +399,11 @@ class _Exchange:
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
-        await response.prepare(self.request)
+        try:
+            await response.prepare(self.request)
+        except ConnectionError:  # gone while the server thought: a routine end, recorded as such
+            recorder.client_left()
+            return response
         writer = self.request.writer
         pump = BodyPump(upstream.content, upstream.protocol, self.request.protocol,
                         isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,

@@ -186,6 +186,21 @@ async def test_a_client_that_leaves_mid_stream_is_recorded_and_the_upstream_let_
     assert exchange.upstream.state is not ConnectionState.IDLE  # not given back mid-answer
 
 
+async def test_a_client_that_leaves_before_the_head_is_a_routine_end_not_a_handler_error(exchange: Any) -> None:
+    """The head cannot be written to a client already gone: recorded as it left, the handler
+    returns (aiohttp would log a raised ConnectionError as an error handling the request)."""
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.client.transport.closed = True  # gone while the server thought
+    exchange.upstream.data_received(SSE_HEAD)
+    response = await asyncio.wait_for(handled, 2)  # (no exception out of the handler)
+    assert response.status == 200 and exchange.client.transport.written == b""
+    (record,) = exchange.ends.records
+    assert record.client_disconnected and record.stop_reason == "client_disconnect"
+    assert record.disconnect_phase == "before_first_token"
+    assert exchange.upstream.state is ConnectionState.CLOSED  # the server sees the disconnect
+
+
 async def test_an_upstream_that_cannot_be_reached_is_a_502_and_still_one_record() -> None:
     async def unreachable() -> tuple[Connection, bool]:
         raise UpstreamUnreachable(ConnectionRefusedError(111, "Connection refused"))
