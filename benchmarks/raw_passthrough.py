@@ -22,9 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.relay.chunked import ChunkedBody
+from proxy.relay.http1 import HOP_BY_HOP, transfer_codings
 
 _HEAD_END = b"\r\n\r\n"
-_DROPPED = (b"connection", b"keep-alive", b"proxy-connection", b"host")
+_DROPPED = frozenset(name.encode() for name in HOP_BY_HOP | {"host"})  # (the host is the upstream's)
 
 
 def _length(head: bytes) -> tuple[int | None, bool]:
@@ -36,7 +37,7 @@ def _length(head: bytes) -> tuple[int | None, bool]:
         if name == b"content-length":
             length = int(value)
         elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
+            chunked = "chunked" in transfer_codings(value.decode("latin-1"))
     return length, chunked
 
 

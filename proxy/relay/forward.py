@@ -232,7 +232,6 @@ class _Exchange:
         self.deadlines = deadlines
         self.max_gap = 0.0
         self.notified_start = False
-        self.request_read = False  # the body was read for the record (`_read_request`)
         self.closed_by_us = False  # we broke the client connection on purpose (upstream reset, enforcement)
         self.forwarder = forwarder
         self.gated = False  # it waits for a place at the admission gate
@@ -354,10 +353,10 @@ class _Exchange:
     def _read_request(self) -> None:
         """The request body read for the record and the exchange's start told, once: as soon as
         the request is on its way upstream (the pool calls it after its write), so that the server
-        works on it meanwhile and the first token waits for neither."""
-        if self.request_read:
+        works on it meanwhile and the first token waits for neither. (Its start is told right after:
+        once it is, the request was read, or never will be.)"""
+        if self.notified_start:
             return
-        self.request_read = True
         self.recorder.request_body(self.body.held, self.body.note)
         self._notify_start()  # (after the body: the record names the model it asks for)
 
