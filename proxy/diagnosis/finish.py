@@ -7,14 +7,15 @@ span of the request where the server sends them (`TraceJoin`, `--server-traces`)
 server's tokenizer when only it can decide a length stop (`ServerCheck.finished`), then to the
 delivery.
 A streamed answer holding little waits for the delivery's batch before it is classified
-(`Delivery.later`): its inputs are fixed when the exchange ends, so the record is the one it would
-have been at once. The sweep reads each of its responses through the same `Recorder.finish` and
-`Recorder.settle_length` (`settle_now`), so a sweep's record is the proxy's.
+(`Delivery.later`), and is made in steps, the relay's reads between them: its inputs are fixed
+when the exchange ends, so the record is the one it would have been at once. The sweep reads each
+of its responses through the same `Recorder.finish` and `Recorder.settle_length` (`settle_now`), so
+a sweep's record is the proxy's.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Iterator
 
 from proxy.diagnosis.delivery import Delivery
 from proxy.diagnosis.recorder import Recorder
@@ -44,14 +45,16 @@ class Finisher:
         """The exchange is over (the relay wrote its last byte, or gave up): the record is made and
         handed on. `authorization`: the client's own, for the server's tokenizer, where it is asked."""
         identity = self.check.identity if self.check is not None else UNKNOWN_SERVER  # (as the exchange ended)
-        finish = partial(self._finish, recorder, identity, authorization)
+        steps = self._finish(recorder, identity, authorization)  # (a generator: nothing runs yet)
         if recorder.tally.streaming and recorder.held_bytes <= DEFERRED_MAX_BYTES:
-            self.delivery.later(finish)
+            self.delivery.later(steps)
         else:
-            self.delivery.now(finish)  # (a failure of the record path never reaches the client's connection)
+            self.delivery.now(steps)  # (a failure of the record path never reaches the client's connection)
 
-    def _finish(self, recorder: Recorder, identity: ServerIdentity, authorization: str | None) -> None:
-        record = recorder.finish(server=identity)
+    def _finish(self, recorder: Recorder, identity: ServerIdentity, authorization: str | None) -> Iterator[None]:
+        """The record made in steps (`Recorder.finish_steps`), then handed on."""
+        yield from recorder.finish_steps(server=identity)
+        record = recorder.record
         if self.check is not None:
             self.check.saw_model(record.model)
         if self.traces is not None:

@@ -9,7 +9,7 @@ feeds it from the proxy's side and the sweep from the client's side, so both cla
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -223,6 +223,10 @@ class Recorder:
         self.body_ended(now)
         self.tally.close(self._ended_at)  # type: ignore[arg-type]
 
+    def _parse_rest_steps(self, now: float) -> Iterator[None]:
+        self.body_ended(now)
+        yield from self.tally.close_steps(self._ended_at)  # type: ignore[arg-type]
+
     def body_ended(self, now: float) -> None:
         """No more body bytes from `now` on (idempotent); what the tally still holds is parsed by
         `finish` (the relay's way: its finish runs with a batch, see `proxy.diagnosis.delivery`)."""
@@ -314,8 +318,16 @@ class Recorder:
     def finish(self, now: float | None = None, server: ServerIdentity = UNKNOWN_SERVER) -> ResponseRecord:
         """Classify and fill the record; call once, after the exchange has ended. `server` is what the
         upstream says of itself (which server, its context), for the prompt's fate."""
+        for _ in self.finish_steps(now, server):
+            pass
+        return self.record
+
+    def finish_steps(self, now: float | None = None, server: ServerIdentity = UNKNOWN_SERVER) -> Iterator[None]:
+        """`finish` in steps (the reads left parsed a few at a time, then the record filled), yielding
+        between two: the relay's reads go on between them (see `proxy.diagnosis.delivery`). The
+        record is `self.record`, final once the steps are done."""
         clock = time.monotonic() if now is None else now
-        self.parse_rest(clock)
+        yield from self._parse_rest_steps(clock)
         record, tally, info = self.record, self.tally, self._info
         assert self._ended_at is not None
         record.duration_s = self._ended_at - self._started
@@ -380,7 +392,6 @@ class Recorder:
             record.deadline_hit = hit
             record.deadline_mode = "enforce" if self._enforced != "none" else "observe"
         make_writable(record)  # whatever the wire held, the record can be written everywhere it goes
-        return record
 
     def _fill_prompt(self, server: ServerIdentity) -> None:
         """The prompt's fate, by the server's own numbers and rules (see proxy.diagnosis.prompt_rules)."""

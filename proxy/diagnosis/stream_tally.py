@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from proxy.record import MAX_IGNORED
 from proxy.wire.events import AnswerText, Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
@@ -21,6 +21,9 @@ ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, 
 # a stream holds unparsed is bounded by RUN_BYTES (a run of 64 one-token events is about 13 KiB).
 RUN_READS = 64
 RUN_BYTES = 16 * 1024
+# What is left when the body ends is parsed in steps of this many reads (`close_steps`), the loop's
+# other work between them: a whole run parsed in one go holds the relay's reads back for its length.
+STEP_READS = 16
 
 
 class StreamTally:
@@ -79,10 +82,17 @@ class StreamTally:
             return
         self._parse(chunk, now)
 
-    def _parse_pending(self) -> None:
-        """The run's reads in order: those the parser finds to be one plain token each are counted
-        in one loop, the others parsed one by one."""
-        pending, self.pending, self.pending_bytes = self.pending, [], 0
+    def _parse_pending(self, most: int | None = None) -> None:
+        """The run's reads in order (its first `most` only, when given: the rest stay pending): those
+        the parser finds to be one plain token each are counted in one loop, the others parsed one
+        by one."""
+        pending = self.pending
+        if most is not None and len(pending) > most:
+            self.pending = pending[most:]
+            self.pending_bytes -= sum(len(chunk) for chunk, _ in pending[:most])
+            pending = pending[:most]
+        else:
+            self.pending, self.pending_bytes = [], 0
         at, end = 0, len(pending)
         while at < end:
             parser = self.parser
@@ -112,9 +122,18 @@ class StreamTally:
 
     def close(self, now: float) -> None:
         """The body ended at `now`: what is left is parsed (idempotent)."""
+        for _ in self.close_steps(now):
+            pass
+
+    def close_steps(self, now: float) -> Iterator[None]:
+        """`close` in steps of STEP_READS reads: it yields between two (nothing is fed meanwhile:
+        the body has ended)."""
         if self.closed:
             return
         self.closed = True
+        while len(self.pending) > STEP_READS:
+            self._parse_pending(STEP_READS)
+            yield
         if self.pending:
             self._parse_pending()
         parser = self.parser

@@ -5,6 +5,7 @@ never missing from what is read through `flush()`."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 from structlog.testing import capture_logs
@@ -158,12 +159,13 @@ async def test_a_finish_waits_with_the_batch_and_its_record_goes_in_the_same_flu
     chain = Delivery([seen], batch_s=10.0)
     ran: list[str] = []
 
-    def finish() -> None:
+    def finish() -> Iterator[None]:
         ran.append("finish")
+        yield
         chain.response_finished(_record("late"))
 
     chain.response_finished(_record("first"))
-    chain.later(finish)
+    chain.later(finish())
     assert ran == [] and seen.ids == []
     chain.flush()
     assert ran == ["finish"] and seen.ids == ["first", "late"]
@@ -173,7 +175,12 @@ async def test_a_finish_waits_with_the_batch_and_its_record_goes_in_the_same_flu
 def test_without_a_batch_a_finish_runs_at_once() -> None:
     seen = Seen()
     chain = Delivery([seen])
-    chain.later(lambda: chain.response_finished(_record("now")))
+
+    def finish() -> Iterator[None]:
+        yield
+        chain.response_finished(_record("now"))
+
+    chain.later(finish())
     assert seen.ids == ["now"]
 
 
@@ -181,10 +188,11 @@ async def test_a_finish_that_raises_loses_its_record_only_and_says_so() -> None:
     seen = Seen()
     chain = Delivery([seen], batch_s=10.0)
 
-    def broken() -> None:
+    def broken() -> Iterator[None]:
+        yield
         raise ValueError("a diagnosis bug")
 
-    chain.later(broken)
+    chain.later(broken())
     chain.response_finished(_record("after"))
     with capture_logs() as logs:
         chain.flush()
@@ -193,17 +201,48 @@ async def test_a_finish_that_raises_loses_its_record_only_and_says_so() -> None:
     assert "a diagnosis bug" in logs[0]["error"]
 
 
+async def test_a_finish_goes_a_step_per_turn_and_its_record_keeps_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step of a record's making is an item of its own (the loop's other work between two),
+    and the records reach the observers in the order their exchanges ended, not the order their
+    makings did."""
+    monkeypatch.setattr(delivery_module, "SLICE_S", 0.0)  # one item per turn
+    seen = Seen()
+    chain = Delivery([seen], batch_s=0.001)
+    steps: list[str] = []
+
+    def finish(name: str, count: int) -> Iterator[None]:
+        for i in range(count):
+            steps.append(f"{name}{i}")
+            yield
+        chain.response_finished(_record(name))
+
+    chain.later(finish("a", 3))
+    chain.response_finished(_record("b"))
+    chain.later(finish("c", 1))
+    between: list[tuple[list[str], list[str]]] = []  # what each turn of other work saw
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(seen.ids) < 3 and asyncio.get_running_loop().time() < deadline:
+        between.append((list(steps), list(seen.ids)))
+        await asyncio.sleep(0)
+    assert seen.ids == ["a", "b", "c"] and steps == ["a0", "a1", "a2", "c0"]
+    assert (["a0"], []) in between and (["a0", "a1"], []) in between and (["a0", "a1", "a2"], []) in between
+    assert (["a0", "a1", "a2"], ["a"]) in between  # its record is an item too
+    assert chain._timer is None and not chain._waiting
+
+
 async def test_past_the_bound_waiting_finishes_go_one_for_one_without_recursion() -> None:
     """A full queue of finishes (overload): each new one delivers the oldest, whose record goes to
     the observers at once, not to the queue's end (no growth, no nesting)."""
     seen = Seen()
     chain = Delivery([seen], batch_s=10.0)
 
-    def finish(i: int) -> None:
+    def finish(i: int) -> Iterator[None]:
+        yield
+        yield
         chain.response_finished(_record(f"f{i}"))
 
     for i in range(MAX_WAITING * 8):
-        chain.later(lambda i=i: finish(i))
+        chain.later(finish(i))
         assert len(chain._waiting) <= MAX_WAITING
     assert seen.ids == [f"f{i}" for i in range(MAX_WAITING * 7)]
     chain.flush()

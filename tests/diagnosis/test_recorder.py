@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -256,6 +258,38 @@ def test_a_streams_reads_wait_to_be_parsed_in_bounded_runs() -> None:
     assert not tally.pending
     record = recorder.finish(2.0)
     assert record.output_tokens == RUN_READS * 3 + 5 and not tally.pending
+
+
+@pytest.mark.parametrize("chunks", [
+    openai_stream(50, "length", usage=True),
+    ollama_stream(40, "stop"),
+    anthropic_stream(35, "max_tokens"),
+], ids=["openai", "ollama", "anthropic"])
+def test_a_record_made_in_steps_is_the_record_made_at_once(chunks: list[bytes]) -> None:
+    """The relay's finish goes in steps (the reads left parsed STEP_READS at a time, then the record
+    filled), the loop's other work between them: the record is the one `finish` makes in one go,
+    and each step holds at most STEP_READS reads' parsing."""
+    from proxy.diagnosis.stream_tally import STEP_READS
+
+    path = {"openai": "/v1/chat/completions", "ollama": "/api/chat", "anthropic": "/v1/messages"}
+    kind = "ollama" if chunks[0].startswith(b"{") else "anthropic" if b"message_start" in chunks[0] else "openai"
+    media = "application/x-ndjson" if kind == "ollama" else SSE
+    recorders = []
+    for _ in range(2):
+        recorder = Recorder.start("r1", "POST", path[kind], started=0.0)
+        recorder.request_body(CHAT_BODY)
+        recorder.response_head(200, media)
+        for i, chunk in enumerate(chunks, start=1):
+            recorder.chunk(chunk, i * 0.01)
+        recorders.append(recorder)
+    at_once = recorders[0].finish(1.0)
+    stepped, pending_seen = recorders[1], []
+    for _ in stepped.finish_steps(1.0):
+        pending_seen.append(len(stepped.tally.pending))
+    assert len(pending_seen) == (len(chunks) - 1) // STEP_READS >= 2
+    assert all(left == len(chunks) - STEP_READS * n for n, left in enumerate(pending_seen, start=1))
+    assert dataclasses.replace(stepped.record, started_at=at_once.started_at) == at_once  # (the wall clock's)
+    assert at_once.output_tokens and at_once.stop_reason != "unknown"
 
 
 def test_a_server_limit_stop_says_the_numbers_behind_it() -> None:
