@@ -49,10 +49,16 @@ async def metric(admin_url: str, name: str) -> float:
     return sum(values)
 
 
-async def records(admin_url: str) -> list[dict[str, object]]:
-    async with aiohttp.ClientSession() as session, session.get(admin_url + "/api/requests?limit=500") as response:
-        found: list[dict[str, object]] = orjson.loads(await response.read())["records"]
-        return found
+async def records(admin_url: str, count: int | None = None, timeout_s: float = 15.0) -> list[dict[str, object]]:
+    """The records the admin listener shows; with `count`, once that many have reached it from the
+    workers (they come in batches, over a pipe: a loaded machine takes longer than a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with aiohttp.ClientSession() as session, session.get(admin_url + "/api/requests?limit=500") as response:
+            found: list[dict[str, object]] = orjson.loads(await response.read())["records"]
+        if count is None or len(found) >= count or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.05)
 
 
 async def test_two_workers_relay_unchanged_and_count_concurrency_proxy_wide(served: Served) -> None:
@@ -62,8 +68,7 @@ async def test_two_workers_relay_unchanged_and_count_concurrency_proxy_wide(serv
     assert await metric(served.admin_url, "llm_proxy_in_flight") == 16  # one count for both workers
     results = await answers
     assert all(status == 200 and body == b"".join(STREAM) for status, body in results)
-    await asyncio.sleep(0.3)
-    found = await records(served.admin_url)
+    found = await records(served.admin_url, 16)
     assert sorted(r["request_id"] for r in found) == sorted(f"w{i}" for i in range(16))
     # Each saw all 16 in flight, whichever worker served it: the counts are shared, not per worker.
     assert {r["concurrency_peak"] for r in found} == {16}
@@ -105,8 +110,7 @@ async def test_deadlines_are_enforced_inside_each_worker(upstream: ScriptedUpstr
     try:
         results = await asyncio.gather(*(stream(running.proxy_url, f"d{i}") for i in range(6)))
         assert all(status == 200 and len(body) < len(b"".join(STREAM)) for status, body in results)
-        await asyncio.sleep(0.3)
-        found = await records(running.admin_url)
+        found = await records(running.admin_url, 6)
         assert len(found) == 6 and {r["stop_reason"] for r in found} == {"deadline"}
         assert {r["deadline_hit"] for r in found} == {"total"}
     finally:
