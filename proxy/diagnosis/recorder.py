@@ -220,8 +220,8 @@ class Recorder:
 
     def parse_rest(self, now: float) -> None:
         """No more body bytes (`body_ended`), and what the tally still holds parsed now."""
-        self.body_ended(now)
-        self.tally.close(self._ended_at)  # type: ignore[arg-type]
+        for _ in self._parse_rest_steps(now):
+            pass
 
     def _parse_rest_steps(self, now: float) -> Iterator[None]:
         self.body_ended(now)
