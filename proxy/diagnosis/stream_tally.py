@@ -83,13 +83,13 @@ class StreamTally:
         self._parse(chunk, now)
 
     def _parse_pending(self, most: int | None = None) -> None:
-        """The run's reads in order (its first `most` only, when given: the rest stay pending): those
-        the parser finds to be one plain token each are counted in one loop, the others parsed one
-        by one."""
+        """The run's reads in order (its first `most` only, when given: the rest stay pending, and
+        `pending_bytes` still counts the whole run until the last of it is parsed: an over-count,
+        never an under-count, and only after the body ended): those the parser finds to be one
+        plain token each are counted in one loop, the others parsed one by one."""
         pending = self.pending
         if most is not None and len(pending) > most:
             self.pending = pending[most:]
-            self.pending_bytes -= sum(len(chunk) for chunk, _ in pending[:most])
             pending = pending[:most]
         else:
             self.pending, self.pending_bytes = [], 0
