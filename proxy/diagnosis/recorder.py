@@ -218,15 +218,6 @@ class Recorder:
         from `response_head` on)."""
         return self.tally.feed
 
-    def parse_rest(self, now: float) -> None:
-        """No more body bytes (`body_ended`), and what the tally still holds parsed now."""
-        for _ in self._parse_rest_steps(now):
-            pass
-
-    def _parse_rest_steps(self, now: float) -> Iterator[None]:
-        self.body_ended(now)
-        yield from self.tally.close_steps(self._ended_at)  # type: ignore[arg-type]
-
     def body_ended(self, now: float) -> None:
         """No more body bytes from `now` on (idempotent); what the tally still holds is parsed by
         `finish` (the relay's way: its finish runs with a batch, see `proxy.diagnosis.delivery`)."""
@@ -326,10 +317,10 @@ class Recorder:
         """`finish` in steps (the reads left parsed a few at a time, then the record filled), yielding
         between two: the relay's reads go on between them (see `proxy.diagnosis.delivery`). The
         record is `self.record`, final once the steps are done."""
-        clock = time.monotonic() if now is None else now
-        yield from self._parse_rest_steps(clock)
-        record, tally, info = self.record, self.tally, self._info
+        self.body_ended(time.monotonic() if now is None else now)
         assert self._ended_at is not None
+        yield from self.tally.close_steps(self._ended_at)  # what the tally still holds, parsed
+        record, tally, info = self.record, self.tally, self._info
         record.duration_s = self._ended_at - self._started
         record.bytes_out = tally.bytes_out
         self._fill_tokens()

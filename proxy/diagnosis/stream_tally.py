@@ -16,7 +16,7 @@ ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, 
 # event per read a server's reads come tens of milliseconds apart, and each parse alone runs cold
 # (its code and data out of the CPU's caches). In a run they cost a third; runs of 64 reads cost
 # about 5 % less per event than runs of 16 at one event per read (`benchmarks/overhead.py`, 64
-# paced streams). Nothing reads the tally before the body ends (`close` parses what is left), and
+# paced streams). Nothing reads the tally before the body ends (`close_steps` parses what is left), and
 # every read keeps its own arrival time, so the record is the one a read-by-read parse makes. What
 # a stream holds unparsed is bounded by RUN_BYTES (a run of 64 one-token events is about 13 KiB).
 RUN_READS = 64
@@ -120,14 +120,9 @@ class StreamTally:
         elif events:
             self._apply(events, now)
 
-    def close(self, now: float) -> None:
-        """The body ended at `now`: what is left is parsed (idempotent)."""
-        for _ in self.close_steps(now):
-            pass
-
     def close_steps(self, now: float) -> Iterator[None]:
-        """`close` in steps of STEP_READS reads: it yields between two (nothing is fed meanwhile:
-        the body has ended)."""
+        """The body ended at `now`: what is left is parsed (idempotent), in steps of STEP_READS
+        reads, yielding between two (nothing is fed meanwhile: the body has ended)."""
         if self.closed:
             return
         self.closed = True

@@ -251,7 +251,7 @@ def test_a_read_of_one_plain_event_is_counted_without_the_decoder(kind: str,
             read = orjson.dumps({"model": "m", "created_at": f"2026-12-03T10:00:0{n}.1Z",
                                  "message": {"role": "assistant", "content": f"tok{n} "}, "done": False}) + b"\n"
         recorder.chunk(read, 0.01 * (n + 1))
-    recorder.parse_rest(1.0)  # the reads are parsed in runs: what is left, at the end
+    recorder.finish(1.0)  # the reads are parsed in runs: what is left, at the end
     assert recorder.tally.tokens == 6
     assert len(split) <= 2  # the first reads teach the shape (two for Ollama's created_at hole)
 
