@@ -28,7 +28,7 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.client_exceptions import ClientPayloadError
 from aiohttp.streams import StreamReader
 
-from proxy.relay.chunked import ChunkedBody, FramingError, one_chunk
+from proxy.relay.chunked import ChunkedBody, FramingError, chunk_start
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
 
@@ -108,14 +108,19 @@ class BodyPump:
             return
         framing = self._framing
         assert framing is not None
-        payload = one_chunk(data) if framing.between_chunks and self._chunked else None
-        if payload is not None:  # the usual read: one whole chunk, the framing where it was
+        start = chunk_start(data) if framing.between_chunks and self._chunked else 0
+        if start:  # the usual read: one whole chunk, the framing where it was
             now = time.monotonic()
-            transport = self._arrived(now)
-            if transport is None:
+            gap = now - self.last  # (`_arrived`, written out: this runs once per event)
+            if gap > self.max_gap:
+                self.max_gap = gap
+            self.last = now
+            transport = self._client.transport
+            if transport is None or transport.is_closing():
+                self._stop(Stop.CLIENT_LEFT)
                 return
             transport.write(data)
-            self._feed(payload, now)
+            self._feed(data[start:-2], now)
             if self._idle_armed:
                 self.deadlines.arm(now)
             if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held: not paused)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from proxy.diagnosis.recorder import ParseLimits, Recorder
 from proxy.wire.dialects import dialect_named
-from proxy.wire.fast_tokens import PlainTokens
+from proxy.wire.fast_tokens import PlainTokens, _common_prefix
 
 TEXTS = ["tok ", "", " ", 'say "hi"', "back\\slash", "line\nbreak", "tab\there", "é漢🙂", "\u0001ctl",
          '"finish_reason":null', '","done":false}', "data: [DONE]", "\r\n", "{}", "\\u0041", "x" * 300]
@@ -268,6 +268,15 @@ def test_a_shape_with_a_changing_scalar_learns_a_hole() -> None:
     assert [plain.count(line) for line in lines[2:]] == [1, 1, 1]
     assert plain.count(lines[2].replace(b'"t2"', b'"t\\"2"')) == 1  # an escaped quote is still plain
     assert plain.count(lines[2].replace(b'"t2"', b'"t\x012"')) == -1  # a raw control byte is not JSON
+
+
+@given(st.binary(max_size=40), st.binary(max_size=8), st.binary(max_size=8))
+def test_the_shared_prefix_is_found_by_halving_as_byte_by_byte(shared: bytes, a_tail: bytes, b_tail: bytes) -> None:
+    a, b = shared + a_tail, shared + b_tail
+    expected = 0
+    while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert _common_prefix(a, b) == expected == _common_prefix(b, a)
 
 
 @pytest.mark.parametrize("read_size", [64, 700, 4096, 1 << 20])
