@@ -76,6 +76,7 @@ async def test_a_budget_stop_without_usage_is_decided_by_the_servers_count(fake:
         "server_trace", "server_trace", "server_trace")
     assert record.undelivered is False and record.server_prefill_s is not None
     assert fake.tokenize_calls == 0, "the span decided: the tokenizer is not asked"
+    await wait_joined(running, "warm-up")  # (its span may come after the budget's: the metric counts both)
     assert await metric(running, r'llm_proxy_server_spans_total\{result="joined"\}') >= 2
 
 

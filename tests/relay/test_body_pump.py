@@ -4,8 +4,12 @@ payloads to the record; a client that takes no more pauses the upstream, and res
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
+import pytest
+
+from proxy.relay import body_pump
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
@@ -52,3 +56,66 @@ async def test_a_read_of_one_chunk_the_client_cannot_take_pauses_the_upstream_un
     assert (pump.stopped, upstream.reading) == (None, True)
     upstream.get_protocol().data_received(b"2\r\nok\r\n0\r\n\r\n")
     assert fed == [b"hello", b"ok"] and pump.stopped is Stop.END
+
+
+async def laned(times: list[float] | None = None) -> tuple[BodyPump, Connection, MockTransport, MockTransport,
+                                                           list[tuple[bytes, float]]]:
+    """A pump whose record keeps each payload with its time (`times`: the clock the reads meet)."""
+    connection, upstream = connected()
+    payload = await answered(connection)
+    to_client = MockTransport()
+    client = SimpleNamespace(transport=to_client, writing_paused=False)
+    fed: list[tuple[bytes, float]] = []
+    pump = BodyPump(payload, connection, client, True, lambda data, now: fed.append((data, now)),  # type: ignore[arg-type]
+                    Deadlines(0.0, 0, 0, False), 0.0)
+    if times is not None:
+        clock = iter(times)
+        body_pump.time = SimpleNamespace(monotonic=lambda: next(clock))  # type: ignore[attr-defined]
+    pump.start()
+    return pump, connection, upstream, to_client, fed
+
+
+@pytest.fixture(autouse=True)
+def _real_clock() -> Iterator[None]:
+    yield
+    body_pump.time = time  # type: ignore[attr-defined]
+
+
+async def test_reads_the_lane_keeps_reach_the_record_in_order_with_their_own_times() -> None:
+    reads = [b"5\r\nhello\r\n", b"1\r\n \r\n", b"3\r\nabc\r\n2\r\nde\r\n", b"2\r\nfg\r\n", b"0\r\n\r\n"]
+    pump, _, upstream, to_client, fed = await laned([1.0, 1.5, 4.0, 4.25, 6.0])
+    for read in reads[:2]:
+        upstream.get_protocol().data_received(read)
+    assert fed == [] and bytes(to_client.written) == b"".join(reads[:2])  # written at once, recorded later
+    for read in reads[2:]:
+        upstream.get_protocol().data_received(read)
+    assert fed == [(b"hello", 1.0), (b" ", 1.5), (b"abcde", 4.0), (b"fg", 4.25)]
+    assert bytes(to_client.written) == b"".join(reads) and pump.stopped is Stop.END
+    assert (pump.last, pump.max_gap, pump.ended_at) == (6.0, 2.5, 6.0)
+
+
+async def test_the_lane_hands_on_a_run_of_reads_and_whatever_it_keeps_when_the_pump_is_detached() -> None:
+    pump, _, upstream, _, fed = await laned()
+    for number in range(body_pump.LANE_READS + 3):
+        upstream.get_protocol().data_received(b"1\r\n%d\r\n" % (number % 10))
+    assert len(fed) == body_pump.LANE_READS  # one run handed on, three reads kept
+    pump.detach()
+    assert [data for data, _ in fed] == [b"%d" % (number % 10) for number in range(body_pump.LANE_READS + 3)]
+
+
+async def test_a_chunk_split_between_reads_or_longer_than_the_lane_takes_goes_the_careful_way_in_order() -> None:
+    long = b"x" * body_pump.LANE_BYTES
+    reads = [b"2\r\nab\r\n", b"3\r\nc", b"de\r\n", b"2\r\nfg\r\n", b"%x\r\n%b\r\n" % (len(long), long), b"0\r\n\r\n"]
+    pump, _, upstream, to_client, fed = await laned()
+    for read in reads:
+        upstream.get_protocol().data_received(read)
+    assert [data for data, _ in fed] == [b"ab", b"c", b"de", b"fg", long]
+    assert bytes(to_client.written) == b"".join(reads) and pump.stopped is Stop.END
+
+
+async def test_a_client_gone_under_the_lane_stops_the_pump_with_the_reads_before_it_recorded() -> None:
+    pump, _, upstream, to_client, fed = await laned()
+    upstream.get_protocol().data_received(b"2\r\nab\r\n")
+    to_client.close()
+    upstream.get_protocol().data_received(b"2\r\ncd\r\n")
+    assert pump.stopped is Stop.CLIENT_LEFT and [data for data, _ in fed] == [b"ab"]
