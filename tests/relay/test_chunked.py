@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from proxy.relay.chunked import MAX_LINE, ChunkedBody, FramingError, one_chunk
+from proxy.relay import chunked
+from proxy.relay.chunked import MAX_LINE, ChunkedBody, FramingError, chunk_start, one_chunk
 
 TRAILERS = [b"", b"X-Sum: 42\r\n", b"X-A: 1\r\nX-B: two words\r\n", b"not a field line\r\n"]
 
@@ -80,3 +81,17 @@ def test_lines_are_bounded() -> None:
     with pytest.raises(FramingError):
         for _ in range(100):
             framing.feed(b"X-Pad: " + b"p" * 1000 + b"\r\n")
+
+
+def test_chunk_sizes_are_read_the_same_through_the_bounded_memo_of_size_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunked, "_SIZE_LINES", {})
+    monkeypatch.setattr(chunked, "SIZE_LINES_KEPT", 8)
+    for size in range(1, 40):
+        for line in (b"%x" % size, b"%X" % size, b"00%x" % size):
+            read = line + b"\r\n" + b"z" * size + b"\r\n"
+            assert chunk_start(read) == len(line) + 2 and one_chunk(read) == b"z" * size  # twice: memo or not
+            assert chunk_start(read) == len(line) + 2
+            assert chunk_start(read + b"x") == 0 and chunk_start(read[:-1]) == 0
+    assert len(chunked._SIZE_LINES) == 8
+    assert chunk_start(b"+5\r\nhello\r\n") == 0 and chunk_start(b"0x5\r\nhello\r\n") == 0  # int() would take them
+    assert chunk_start(b"0\r\n\r\n") == 0  # the last chunk is not a chunk of payload
