@@ -24,31 +24,16 @@ import asyncio
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-HARNESS = Path(__file__).resolve().parent.parent.parent / "shared" / "bench" / "overhead"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+HARNESS = ROOT.parent / "shared" / "bench" / "overhead"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for(port: int, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"side_by_side: nothing listened on port {port} within {timeout_s:g} s")
+from benchmarks.overhead import free_port, wait_for  # noqa: E402
 
 
 def start_proxy(tree: Path, upstream: int, extra: str, tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:

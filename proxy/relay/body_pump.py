@@ -168,21 +168,7 @@ class BodyPump:
             return
         framing = self._framing
         assert framing is not None
-        start = chunk_start(data) if framing.between_chunks and self._chunked else 0
-        if start:  # the usual read: one whole chunk, the framing where it was
-            now = time.monotonic()
-            transport = self._arrived(now)
-            if transport is None:
-                return
-            transport.write(data)
-            self._feed(data[start:-2], now)
-            if self._idle_armed:
-                self.deadlines.arm(now)
-            if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held: not paused)
-                self._connection.pause_body()
-                self._stop(Stop.PAUSED)
-            return
-        if data:  # any other read: through the framing's parser
+        if data:  # through the framing's parser (a read of one whole chunk takes its own fast way there)
             try:
                 out, pieces = framing.feed(data)
             except FramingError as exc:  # what came before the fault goes on; the client's connection breaks

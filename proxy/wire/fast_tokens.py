@@ -62,7 +62,7 @@ def _body_is_plain(data: bytes, start: int, end: int) -> bool:
 
 def _common_prefix(a: bytes, b: bytes) -> int:
     """The length of the longest prefix `a` and `b` share: a halving search of slice compares (a
-    shape's head is a few hundred bytes: a byte-by-byte loop cost a tenth of a record's making)."""
+    shape's head is a few hundred bytes: a byte-by-byte loop cost about a twentieth of a record's making)."""
     same, limit = 0, min(len(a), len(b))
     while same < limit:  # a[:same] == b[:same], and the shared prefix is at most `limit`
         middle = (same + limit + 1) // 2
