@@ -15,6 +15,8 @@ Two ways, by the answer's framing:
   client), then hands it to the record.
 
 Either way a read is written before it is recorded, and the record sees the payload bytes in order.
+A response head still to be written (`head`) goes out with the body's first bytes when they came
+with it, in one write, else alone when the pump has started (or at the latest when it detaches).
 
 The usual read (one whole chunk of at most LANE_BYTES, for a chunked client, with no idle timeout
 to re-arm) takes the lane: checked, written, and kept with its arrival time; what the lane keeps
@@ -54,13 +56,14 @@ class Stop(enum.Enum):
 class BodyPump:
     """`start()`, then await `waiter` until `stopped` is not PAUSED (after PAUSED: drain, `resume()`)."""
 
-    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_framing",
+    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_framing", "_head",
                  "_idle_armed", "_kept", "_lane", "_lost", "_transport", "deadlines", "ended_at", "error", "last",
                  "max_gap", "read", "stopped", "waiter")
 
     def __init__(self, content: StreamReader, connection: Connection, client: BaseProtocol, chunked: bool,
-                 feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float) -> None:
+                 feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float, head: bytes = b"") -> None:
         self._content = content
+        self._head = head  # the response head, still to be written
         self._connection = connection
         self._client = client  # the client's protocol: its transport, and whether its writing is paused
         self._chunked = chunked  # the client's body is chunked: each read goes as one chunk
@@ -89,13 +92,23 @@ class BodyPump:
         return self._framing is not None and self._chunked
 
     def start(self) -> None:
-        """Take what came with the head, and every later read as it comes."""
+        """Write the head with what came with it, then take every later read as it comes."""
         if self._framing is not None:
+            if not self._head:
+                self._open_lane()
+            self._connection.take_body(self.take)  # (what came with the head, taken now: with the head)
+        else:
+            self._connection.on_data = self.pump
+            self.pump(not self._connection.is_connected())
+        if self._head:  # nothing came with it
+            self._write_head()
             self._open_lane()
-            self._connection.take_body(self.take)
-            return
-        self._connection.on_data = self.pump
-        self.pump(not self._connection.is_connected())
+
+    def _write_head(self) -> None:
+        head, self._head = self._head, b""
+        transport = self._transport
+        if head and transport is not None and not transport.is_closing():
+            transport.write(head)
 
     def resume(self) -> None:
         """After PAUSED, once the client drained."""
@@ -114,6 +127,7 @@ class BodyPump:
         lane kept goes to the record first."""
         self._lane = False
         self._record_kept()
+        self._write_head()  # (the pump never started: what follows it needs the head before it)
         connection = self._connection
         if connection.on_data == self.pump:
             connection.on_data = None
@@ -180,13 +194,14 @@ class BodyPump:
             if transport is None:
                 return
             client = self._client
+            head, self._head = self._head, b""
             if not self._chunked:  # an HTTP/1.0 client: the payload alone, ended by the close
                 for piece in pieces:
                     transport.write(piece)
             elif framing.done:
-                transport.write(out + framing.ending())
-            elif out:
-                transport.write(out)
+                transport.write(head + out + framing.ending())
+            elif out or head:
+                transport.write(head + out)
             if pieces:  # one payload per read, however many chunks framed it
                 self._feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), now)
             if self.stopped is not None:  # broke: it ends here

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import structlog
 from aiohttp import web
-from aiohttp.http import HttpVersion10, StreamWriter
+from aiohttp.http import HttpVersion10, HttpVersion11, StreamWriter
 from multidict import CIMultiDict
 
 from proxy.config import ProxyConfig
@@ -114,6 +114,31 @@ class RelayedResponse(web.StreamResponse):
         await super()._prepare_headers()
         for name in self.added:
             self.headers.popall(name, None)
+
+    def start_chunked(self, request: web.BaseRequest, writer: StreamWriter) -> bytes:
+        """`prepare()` for the relay's usual answer, an HTTP/1.1 client and a chunked body that
+        can have content, with the head returned to go out with the body's first bytes (one write
+        instead of two: `BodyPump.start`). The same head `prepare()` writes: the fields as they
+        stand, `Transfer-Encoding: chunked`, `Connection: close` when the connection ends after it;
+        nothing of what aiohttp adds to a head. The response is then prepared as far as aiohttp is
+        concerned: its writer chunks what is written through it, and `write_eof` ends it."""
+        self._req = request
+        self._payload_writer = writer
+        keep_alive = self._keep_alive
+        if keep_alive is None:
+            keep_alive = self._keep_alive = request.keep_alive
+        writer.enable_chunking()
+        headers = self.headers
+        headers["Transfer-Encoding"] = "chunked"
+        if not keep_alive and "Connection" not in headers:
+            headers["Connection"] = "close"
+        lines = [f"HTTP/1.1 {self.status} {self.reason}\r\n"]
+        lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+        lines.append("\r\n")
+        head = "".join(lines)
+        if head.count("\n") != len(lines) or head.count("\r") != len(lines):  # (aiohttp's own check)
+            raise ValueError("Newline or carriage return character detected in HTTP status/headers")
+        return head.encode("utf-8", "surrogateescape")
 
 
 class OwnResponse(web.Response):
@@ -398,15 +423,21 @@ class _Exchange:
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
+        request, writer = self.request, self.request.writer
+        head = b""
         try:
-            await response.prepare(self.request)
+            if upstream.protocol.raw_body and request.version == HttpVersion11 and isinstance(writer, StreamWriter):
+                if self._client_connection_lost():  # (what aiohttp's writer raises)
+                    raise ConnectionResetError("Cannot write to closing transport")
+                head = response.start_chunked(request, writer)  # (written with the body's first bytes)
+            else:
+                await response.prepare(request)
         except ConnectionError:  # gone while the server thought: a routine end, recorded as such
             recorder.client_left()
             return response
-        writer = self.request.writer
-        pump = BodyPump(upstream.content, upstream.protocol, self.request.protocol,
+        pump = BodyPump(upstream.content, upstream.protocol, request.protocol,
                         isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,
-                        time.monotonic())
+                        time.monotonic(), head)
         ending, error = await self._pump(pump)
         if ending is Ending.DEADLINE:
             fired = deadlines.fired

@@ -70,6 +70,20 @@ def test_the_response_head_hook_the_relay_overrides() -> None:
         "StreamResponse._prepare_headers", where)
 
 
+def test_the_prepared_state_the_relay_sets_for_its_own_head() -> None:
+    """`RelayedResponse.start_chunked` prepares the response as aiohttp's `_start` does: a response
+    with a payload writer is prepared (prepare returns it), its keep-alive is `_keep_alive`, its
+    request `_req`; tests/relay/test_forward.py compares the heads byte for byte."""
+    where = "proxy/relay/forward.py (RelayedResponse.start_chunked)"
+    source = inspect.getsource(web.StreamResponse._start)
+    for name in ("self._req = request", "self._payload_writer = request._payload_writer"):
+        assert name in source, explain("StreamResponse._start", where)
+    assert "self._payload_writer is not None" in inspect.getsource(web.StreamResponse.prepare), explain(
+        "StreamResponse.prepare", where)
+    assert "self._keep_alive" in inspect.getsource(web.StreamResponse._prepare_headers), explain(
+        "StreamResponse._prepare_headers", where)
+
+
 async def test_the_stream_writer_the_relay_ends_with_trailers() -> None:
     where = "proxy/relay/forward.py (_end_with_trailers)"
     protocol = ResponseHandler(asyncio.get_running_loop())

@@ -119,3 +119,54 @@ async def test_a_client_gone_under_the_lane_stops_the_pump_with_the_reads_before
     to_client.close()
     upstream.get_protocol().data_received(b"2\r\ncd\r\n")
     assert pump.stopped is Stop.CLIENT_LEFT and [data for data, _ in fed] == [b"ab"]
+
+
+async def headed(held: bytes) -> tuple[BodyPump, MockTransport, MockTransport, list[bytes]]:
+    """A pump with the response head still to write, `held`: what came with the upstream's head."""
+    connection, upstream = connected()
+    payload = await answered(connection, CHUNKED_HEAD_HELD + held)
+    to_client = MockTransport()
+    client = SimpleNamespace(transport=to_client, writing_paused=False)
+    fed: list[bytes] = []
+    pump = BodyPump(payload, connection, client, True, lambda data, now: fed.append(data),  # type: ignore[arg-type]
+                    Deadlines(0.0, 0, 0, False), 0.0, HEAD)
+    return pump, upstream, to_client, fed
+
+
+CHUNKED_HEAD_HELD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_the_head_goes_out_with_what_came_with_it_in_one_write_then_reads_take_the_lane() -> None:
+    pump, upstream, to_client, fed = await headed(b"5\r\nhello\r\n")
+    pump.start()
+    assert to_client.writes == [HEAD + b"5\r\nhello\r\n"] and fed == [b"hello"]
+    upstream.get_protocol().data_received(b"1\r\n \r\n")
+    assert to_client.writes[1:] == [b"1\r\n \r\n"] and pump._lane  # (the usual read, after the first)
+    upstream.get_protocol().data_received(b"0\r\n\r\n")
+    assert pump.stopped is Stop.END and fed == [b"hello", b" "]
+
+
+async def test_a_head_with_nothing_after_it_goes_out_alone_when_the_pump_starts() -> None:
+    """The client hears of the answer at once, not when the server's first token comes."""
+    pump, upstream, to_client, _ = await headed(b"")
+    pump.start()
+    assert to_client.writes == [HEAD]
+    upstream.get_protocol().data_received(b"5\r\nhello\r\n")
+    assert to_client.writes == [HEAD, b"5\r\nhello\r\n"]
+
+
+async def test_a_head_never_started_goes_out_when_the_pump_detaches_and_only_once() -> None:
+    """A shutdown before the pump started: the end that follows needs the head before it."""
+    pump, _, to_client, _ = await headed(b"5\r\nhello\r\n")
+    pump.detach()
+    pump.detach()
+    assert to_client.writes == [HEAD]
+
+
+async def test_a_head_is_not_written_to_a_client_that_has_gone() -> None:
+    pump, _, to_client, _ = await headed(b"")
+    to_client.closed = True
+    pump.start()
+    pump.detach()
+    assert to_client.writes == []

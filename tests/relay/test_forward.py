@@ -21,7 +21,7 @@ from aiohttp.test_utils import make_mocked_request
 from proxy.config import ProxyConfig
 from proxy.diagnosis.recorder import Recorder
 from proxy.record import ResponseRecord
-from proxy.relay.forward import Forwarder
+from proxy.relay.forward import Forwarder, RelayedResponse
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.upstream.connection import Connection, ConnectionState, UpstreamUnreachable
 from proxy.wire.parse_bytes import ParseBytes
@@ -61,16 +61,16 @@ class Client:
         self.protocol = SimpleNamespace(transport=self.transport, writing_paused=False, ssl_context=None,
                                         peername=("127.0.0.1", 50000), sockname=("127.0.0.1", 8080),
                                         max_field_size=8190, max_line_length=8190, max_headers=128,
-                                        _drain_helper=drained, resume_reading=lambda resume_parser=True: None,
-                                        pause_reading=lambda: None)
+                                        _drain_helper=drained, _paused=False,
+                                        resume_reading=lambda resume_parser=True: None, pause_reading=lambda: None)
         self.writer = StreamWriter(self.protocol, loop)  # type: ignore[arg-type]
 
-    def request(self, body: bytes = CHAT, headers: dict[str, str] | None = None) -> Any:
+    def request(self, body: bytes = CHAT, headers: dict[str, str] | None = None, closing: bool = False) -> Any:
         payload = StreamReader(self.protocol, 1 << 16, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
         payload.feed_data(body)
         payload.feed_eof()
         return make_mocked_request("POST", "/v1/chat/completions", writer=self.writer, protocol=self.protocol,
-                                   transport=self.transport, payload=payload,
+                                   transport=self.transport, payload=payload, closing=closing,
                                    headers={"Content-Type": "application/json", "Content-Length": str(len(body)),
                                             **(headers or {})})
 
@@ -139,6 +139,72 @@ async def test_a_stream_reaches_the_client_read_by_read_and_the_diagnosis_hears_
     assert (record.stop_reason, record.output_tokens, record.status) == ("eos", 3, 200)
     assert exchange.ends.authorization == ["Bearer client-key"]  # for the server's tokenizer, where asked
     assert exchange.upstream.state is ConnectionState.IDLE  # its answer ended: back in the pool
+
+
+async def test_the_head_and_the_first_event_that_came_with_it_reach_the_client_in_one_write(exchange: Any) -> None:
+    """One write, not two: the client hears of the answer with its first token, as the server sent them."""
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    first, *rest = [b"%x\r\n%s\r\n" % (len(event), event) for event in openai_stream(2)] + [b"0\r\n\r\n"]
+    exchange.upstream.data_received(SSE_HEAD + first)
+    await until(lambda: bool(exchange.client.transport.writes))
+    (written,) = exchange.client.transport.writes
+    assert written.startswith(b"HTTP/1.1 200 OK\r\n") and written.endswith(b"\r\n\r\n" + first)
+    for chunk in rest:
+        exchange.upstream.data_received(chunk)
+    await asyncio.wait_for(handled, 2)
+    assert exchange.client.body == first + b"".join(rest)
+
+
+async def test_a_head_that_comes_alone_reaches_the_client_before_any_token(exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.upstream.data_received(SSE_HEAD)  # the server thinks before its first token
+    await until(lambda: bool(exchange.client.transport.writes))
+    assert exchange.client.transport.writes[0].endswith(b"Transfer-Encoding: chunked\r\n\r\n")
+    exchange.upstream.data_received(b"0\r\n\r\n")
+    await asyncio.wait_for(handled, 2)
+
+
+async def test_a_header_value_that_is_not_utf8_reaches_a_streams_client_as_it_came(exchange: Any) -> None:
+    """aiohttp's own head writer drops such a byte (`caf\\xe9` went out as `caf`); the relay's head
+    passes the upstream's bytes on."""
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.upstream.data_received(SSE_HEAD.replace(b"\r\n\r\n", b"\r\nX-Note: caf\xe9\r\n\r\n") + b"0\r\n\r\n")
+    await asyncio.wait_for(handled, 2)
+    assert b"\r\nX-Note: caf\xe9\r\n" in exchange.client.transport.writes[0]
+
+
+@pytest.mark.parametrize("closing", [False, True])
+@pytest.mark.parametrize("upstream_headers", [
+    {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+    {"Server": "vllm", "Date": "Sun, 06 Dec 2026 20:00:00 GMT", "Content-Type": "application/x-ndjson",
+     "X-Request-Id": "theirs", "Trailer": "X-Checksum", "X-Note": "caf\u00e9"},
+    {},
+])
+async def test_the_relayed_head_is_the_one_aiohttps_prepare_writes(closing: bool,
+                                                                   upstream_headers: dict[str, str]) -> None:
+    """`RelayedResponse.start_chunked` against aiohttp's own `prepare` for the same answer: the same
+    bytes, and a response aiohttp then takes as prepared (its writer chunks, its end ends it)."""
+    heads = []
+    for direct in (False, True):
+        client = Client()
+        request = client.request(headers={"Connection": "close"} if closing else {}, closing=closing)
+        response = RelayedResponse(status=200, reason="OK", headers=upstream_headers)
+        response.added = frozenset(name for name in ("Content-Type", "Date", "Server") if name not in upstream_headers)
+        response.headers["X-LLM-Diag-Concurrency"] = "3"
+        if direct:
+            head = response.start_chunked(request, client.writer)
+            assert await response.prepare(request) is client.writer and client.transport.writes == []
+        else:
+            await response.prepare(request)
+            (head,) = client.transport.writes
+        assert client.writer.chunked and response.keep_alive is not closing
+        await response.write(b"x")
+        await response.write_eof()
+        heads.append((head, client.transport.writes[-2:]))
+    assert heads[0] == heads[1]
 
 
 async def test_a_body_of_known_length_is_relayed_whole(exchange: Any) -> None:

@@ -12,6 +12,7 @@ class MockTransport(asyncio.Transport):
         super().__init__()
         self.sock = sock
         self.written = bytearray()
+        self.writes: list[bytes] = []  # each write, as it was made
         self.closed = False
         self.reading = True
         self.protocol: Any = None  # set by the protocol's owner, as a loop's transport has it
@@ -27,6 +28,7 @@ class MockTransport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
+        self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
         return self.closed
