@@ -37,7 +37,7 @@ from proxy.wire.dialects import FALLBACK, route_of
 from proxy.wire.dialects.base import Dialect
 from proxy.wire.events import Usage
 from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
-from proxy.wire.parsers import load_json, parser_for
+from proxy.wire.parsers import Read, load_json, parser_for
 
 DeadlineHit = Literal["total", "idle"]
 QUEUE_TIME_RESOLUTION = 9  # decimals: ns, as servers report durations; below is float noise
@@ -217,6 +217,12 @@ class Recorder:
         """`chunk` without the call through the recorder, for the relay's per-read path (valid
         from `response_head` on)."""
         return self.tally.feed
+
+    @property
+    def reads_sink(self) -> Callable[[list[Read], int], None]:
+        """Chunks that were forwarded, each left in its read, their payloads' size in all
+        (`StreamTally.feed_reads`; valid from `response_head` on)."""
+        return self.tally.feed_reads
 
     def body_ended(self, now: float) -> None:
         """No more body bytes from `now` on (idempotent); what the tally still holds is parsed by

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from proxy.record import MAX_IGNORED
 from proxy.wire.events import AnswerText, Done, ErrorEvent, Event, Finish, ParseError, ServerTimings, TokenDelta, Usage
 from proxy.wire.fast_tokens import EVENTS, VISIBLE
-from proxy.wire.parsers import ResponseParser
+from proxy.wire.parsers import Read, ResponseParser
 
 _ONE_TOKEN = EVENTS[VISIBLE]  # the parsers' answer for a read of one plain token, always this list
 ITL_SAMPLES_CAP = 65_536  # gaps kept per response for the percentiles; beyond, only mean and max
@@ -44,7 +44,7 @@ class StreamTally:
     def __init__(self, parser: ResponseParser | None) -> None:
         self.parser = parser
         self.runs = parser is not None and parser.streaming  # reads parsed in runs (RUN_READS)
-        self.pending: list[tuple[bytes, float]] = []  # reads not parsed yet, with their arrival times
+        self.pending: list[Read] = []  # reads not parsed yet, with their arrival times
         self.pending_bytes = 0
         self.bytes_out = 0
         self.tokens = 0
@@ -72,15 +72,33 @@ class StreamTally:
 
     def feed(self, chunk: bytes, now: float) -> None:
         """Account for one chunk that was forwarded (parsed now, or with the next run); never raises."""
-        self.bytes_out += len(chunk)
+        size = len(chunk)
+        self.bytes_out += size
         if self.runs:
             pending = self.pending
-            pending.append((chunk, now))
-            self.pending_bytes += len(chunk)
+            pending.append((chunk, 0, size, now))
+            self.pending_bytes += size
             if len(pending) >= RUN_READS or self.pending_bytes >= RUN_BYTES:
                 self._parse_pending()
             return
         self._parse(chunk, now)
+
+    def feed_reads(self, reads: list[Read], size: int) -> None:
+        """`feed` for each of `reads` in order, their payloads `size` bytes in all, each left in its
+        read (the relay's lane keeps a chunk's framing around it): no copy of each is made. The tally
+        keeps the list."""
+        self.bytes_out += size
+        if not self.runs:
+            for data, start, end, now in reads:
+                self._parse(data[start:end], now)
+            return
+        if self.pending:
+            self.pending += reads
+        else:
+            self.pending = reads
+        self.pending_bytes += size
+        if len(self.pending) >= RUN_READS or self.pending_bytes >= RUN_BYTES:
+            self._parse_pending()
 
     def _parse_pending(self, most: int | None = None) -> None:
         """The run's reads in order (its first `most` only, when given: the rest stay pending, and
@@ -102,7 +120,8 @@ class StreamTally:
                 self._arrivals(pending, at, at + plain)
                 at += plain
             else:
-                self._parse(*pending[at])
+                data, begin, stop, now = pending[at]
+                self._parse(data if begin == 0 and stop == len(data) else data[begin:stop], now)
                 at += 1
 
     def _parse(self, chunk: bytes, now: float) -> None:
@@ -196,15 +215,15 @@ class StreamTally:
                 self.gaps.append(gap)
         self.last_token_at = now
 
-    def _arrivals(self, reads: list[tuple[bytes, float]], start: int, end: int) -> None:
+    def _arrivals(self, reads: list[Read], start: int, end: int) -> None:
         """`tokens_arrived` for each of reads[start:end], in one loop."""
         last = self.last_token_at
         if last is None:
-            last = self.first_token_at = reads[start][1]
+            last = self.first_token_at = reads[start][3]
             start += 1
         gaps, room = self.gaps, ITL_SAMPLES_CAP - len(self.gaps)
         total, top = self.gap_sum, self.gap_max
-        for _, now in reads[start:end]:
+        for _, _, _, now in reads[start:end]:
             gap = now - last
             total += gap
             if gap > top:

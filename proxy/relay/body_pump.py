@@ -41,6 +41,7 @@ from aiohttp.streams import StreamReader
 from proxy.relay.chunked import ChunkedBody, FramingError, chunk_start
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
+from proxy.wire.parsers import Read
 
 LANE_READS = 16  # reads the lane keeps before they go to the record
 LANE_BYTES = 1024  # the longest read the lane takes: what it keeps stays under LANE_READS KiB
@@ -56,12 +57,16 @@ class Stop(enum.Enum):
 class BodyPump:
     """`start()`, then await `waiter` until `stopped` is not PAUSED (after PAUSED: drain, `resume()`)."""
 
-    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_framing", "_head",
+    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_feed_reads",
+                 "_framing", "_head",
                  "_idle_armed", "_kept", "_lane", "_lost", "_transport", "deadlines", "ended_at", "error", "last",
                  "max_gap", "read", "stopped", "waiter")
 
     def __init__(self, content: StreamReader, connection: Connection, client: BaseProtocol, chunked: bool,
-                 feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float, head: bytes = b"") -> None:
+                 feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float, head: bytes = b"",
+                 feed_reads: Callable[[list[Read], int], None] | None = None) -> None:
+        """`feed(payload, time)` takes each read's payload, `feed_reads(reads, size)` a run of them
+        the lane kept, each left in its read (by default, each goes to `feed`)."""
         self._content = content
         self._head = head  # the response head, still to be written
         self._connection = connection
@@ -71,6 +76,7 @@ class BodyPump:
         self._framing = ChunkedBody() if connection.raw_body else None
         self._lost = False  # the connection was lost while the pump was paused
         self._feed = feed
+        self._feed_reads = feed_reads or self._each
         self.deadlines = deadlines
         self._idle_armed = deadlines.enforce and deadlines.idle_s is not None
         self.read = 0  # body bytes taken from the reader
@@ -84,7 +90,7 @@ class BodyPump:
         self.waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._lane = False  # the next read may take the lane (`_open_lane`)
         self._transport: asyncio.Transport | None = client.transport  # the client's, for the lane
-        self._kept: list[tuple[bytes, int, float]] = []  # the lane's reads, each with its payload's start and time
+        self._kept: list[Read] = []  # the lane's reads, each with its payload's place in it and its time
 
     @property
     def relays_framing(self) -> bool:
@@ -142,7 +148,7 @@ class BodyPump:
             if start and transport is not None and not transport.is_closing():
                 transport.write(data)
                 kept = self._kept
-                kept.append((data, start, time.monotonic()))
+                kept.append((data, start, len(data) - 2, time.monotonic()))
                 if len(kept) >= LANE_READS:
                     self._record_kept()
                 if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held: not paused)
@@ -166,14 +172,20 @@ class BodyPump:
         if not kept:
             return
         self._kept = []
-        feed, last, longest = self._feed, self.last, self.max_gap
-        for data, start, now in kept:
+        last, longest, size = self.last, self.max_gap, 0
+        for _, start, end, now in kept:
             gap = now - last
             if gap > longest:
                 longest = gap
             last = now
-            feed(data[start:-2], now)
+            size += end - start
         self.last, self.max_gap = last, longest
+        self._feed_reads(kept, size)  # (the record keeps the list)
+
+    def _each(self, reads: list[Read], size: int) -> None:
+        feed = self._feed
+        for data, start, end, now in reads:
+            feed(data[start:end], now)
 
     def _take(self, data: bytes, lost: bool) -> None:
         """`take`, for every read the lane does not take."""

@@ -437,7 +437,7 @@ class _Exchange:
             return response
         pump = BodyPump(upstream.content, upstream.protocol, request.protocol,
                         isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,
-                        time.monotonic(), head)
+                        time.monotonic(), head, recorder.reads_sink)
         ending, error = await self._pump(pump)
         if ending is Ending.DEADLINE:
             fired = deadlines.fired

@@ -43,12 +43,17 @@ def load_json(payload: bytes | bytearray) -> Any:
         raise ValueError("JSON nested too deeply") from exc
 
 
+# One read of a response body as the tally keeps it: the bytes that came, where its payload starts
+# and ends in them (a chunk's payload, inside its framing: no copy is made of it), and when it came.
+Read = tuple[bytes, int, int, float]
+
+
 class ResponseParser(Protocol):
     streaming: bool  # a stream of events (SSE, NDJSON), not one JSON document
 
     def feed(self, chunk: bytes) -> Sequence[Event]: ...
 
-    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int: ...
+    def plain_reads(self, reads: list[Read], start: int) -> int: ...
 
     def close(self) -> Sequence[Event]: ...
 
@@ -101,7 +106,7 @@ class _StreamParser:
         found = self._plain.count(chunk[len(opening):-len(separator)])  # a counted payload holds no CR or LF
         return None if found == NOT_PLAIN else EVENTS[found]
 
-    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+    def plain_reads(self, reads: list[Read], start: int) -> int:
         """How many of `reads`, from `start` on, are each one whole event of one visible token in
         the response's one learned shape: what `feed` answers each of them with (`_one`: one
         token, nothing changed), found in one loop for a run of reads (the tally counts them)."""
@@ -116,14 +121,15 @@ class _StreamParser:
             framed = self._framed = (only, self.OPENING + only[0], only[1] + self.SEPARATOR)
         _, head, tail = framed
         opened, closed = len(head), len(tail)
-        longest = self._max_line + len(self.SEPARATOR)
+        shortest, longest = opened + closed, self._max_line + len(self.SEPARATOR)
         unsafe = UNSAFE.search
         at, end = start, len(reads)
-        while at < end:
-            chunk = reads[at][0]
-            stop = len(chunk) - closed
-            if (stop <= opened or len(chunk) > longest or not chunk.startswith(head) or not chunk.endswith(tail)
-                    or not chunk.isascii() or unsafe(chunk, opened, stop) is not None):
+        while at < end:  # (a payload's framing, around it in its read, is ASCII: isascii() may see it too)
+            data, begin, stop, _ = reads[at]
+            size = stop - begin
+            if (size <= shortest or size > longest or not data.startswith(head, begin)
+                    or not data.endswith(tail, begin, stop) or not data.isascii()
+                    or unsafe(data, begin + opened, stop - closed) is not None):
                 break
             at += 1
         return at - start
@@ -418,7 +424,7 @@ class JsonBodyParser:
         self._parse_bytes.release(self._held)
         self._held = 0
 
-    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+    def plain_reads(self, reads: list[Read], start: int) -> int:
         return 0
 
     def close(self) -> Sequence[Event]:
@@ -447,7 +453,7 @@ class UnknownParser:
     def feed(self, chunk: bytes) -> Sequence[Event]:
         return _NO_EVENTS
 
-    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+    def plain_reads(self, reads: list[Read], start: int) -> int:
         return 0
 
     def close(self) -> Sequence[Event]:
@@ -479,7 +485,7 @@ class DecompressingParser:
             return [ParseError("decompressed chunk exceeds the parse cap"), *self._inner.feed(plain)]
         return self._inner.feed(plain)
 
-    def plain_reads(self, reads: list[tuple[bytes, float]], start: int) -> int:
+    def plain_reads(self, reads: list[Read], start: int) -> int:
         return 0  # the reads are not the events: each goes through the decompressor
 
     def close(self) -> Sequence[Event]:

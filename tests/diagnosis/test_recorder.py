@@ -292,6 +292,31 @@ def test_a_record_made_in_steps_is_the_record_made_at_once(chunks: list[bytes]) 
     assert at_once.output_tokens and at_once.stop_reason != "unknown"
 
 
+@pytest.mark.parametrize(("chunks", "media", "run"), [
+    (openai_stream(50, "length", usage=True), SSE, 16),
+    (openai_stream(50, "length", usage=True), SSE, 5),
+    (openai_stream(50, "length", usage=True), "application/json", 16),  # (not a stream: parsed as it comes)
+], ids=["openai-runs-of-16", "openai-runs-of-5", "not-a-stream"])
+def test_reads_handed_over_in_their_framing_make_the_record_each_payload_makes(chunks: list[bytes], media: str,
+                                                                               run: int) -> None:
+    """The relay's lane hands its reads over in runs, each payload left inside its chunk's framing
+    (`reads_sink`): the record is the one the payloads fed one by one make, bytes_out included."""
+    framed = [(b"%x\r\n%b\r\n" % (len(chunk), chunk), 0.01 * n) for n, chunk in enumerate(chunks, start=1)]
+    one_by_one = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    in_runs = Recorder.start("r1", "POST", "/v1/chat/completions", started=0.0)
+    for recorder in (one_by_one, in_runs):
+        recorder.request_body(CHAT_BODY)
+        recorder.response_head(200, media)
+    for chunk, now in zip(chunks, (now for _, now in framed), strict=True):
+        one_by_one.chunk(chunk, now)
+    for at in range(0, len(framed), run):
+        reads = [(data, data.index(b"\r\n") + 2, len(data) - 2, now) for data, now in framed[at:at + run]]
+        in_runs.reads_sink(reads, sum(end - start for _, start, end, _ in reads))
+    first, second = one_by_one.finish(1.0), in_runs.finish(1.0)
+    assert dataclasses.replace(second, started_at=first.started_at) == first
+    assert first.bytes_out == sum(map(len, chunks)) and (first.output_tokens or media != SSE)
+
+
 def test_a_server_limit_stop_says_the_numbers_behind_it() -> None:
     record = recorded("/v1/chat/completions", CHAT_BODY, openai_stream(10, "length", usage=True))
     assert record.length_cause == "server_limit"

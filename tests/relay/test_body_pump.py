@@ -103,6 +103,26 @@ async def test_the_lane_hands_on_a_run_of_reads_and_whatever_it_keeps_when_the_p
     assert [data for data, _ in fed] == [b"%d" % (number % 10) for number in range(body_pump.LANE_READS + 3)]
 
 
+async def test_the_lane_hands_the_record_its_reads_in_their_framing_with_their_payloads_size() -> None:
+    """No copy of each payload: the record gets each read as it came, where its payload is in it."""
+    connection, upstream = connected()
+    payload = await answered(connection)
+    to_client = MockTransport()
+    client = SimpleNamespace(transport=to_client, writing_paused=False)
+    runs: list[tuple[list[tuple[bytes, int, int, float]], int]] = []
+    pump = BodyPump(payload, connection, client, True, lambda data, now: None,  # type: ignore[arg-type]
+                    Deadlines(0.0, 0, 0, False), 0.0, feed_reads=lambda reads, size: runs.append((reads, size)))
+    pump.start()
+    reads = [b"5\r\nhello\r\n", b"1\r\n \r\n", b"c\r\nhello world!\r\n"]
+    for read in reads:
+        upstream.get_protocol().data_received(read)
+    pump.detach()
+    ((kept, size),) = runs
+    assert [(data, start, end) for data, start, end, _ in kept] == [(reads[0], 3, 8), (reads[1], 3, 4),
+                                                                    (reads[2], 3, 15)]
+    assert size == 5 + 1 + 12 and [data[start:end] for data, start, end, _ in kept] == [b"hello", b" ", b"hello world!"]
+
+
 async def test_a_chunk_split_between_reads_or_longer_than_the_lane_takes_goes_the_careful_way_in_order() -> None:
     long = b"x" * body_pump.LANE_BYTES
     reads = [b"2\r\nab\r\n", b"3\r\nc", b"de\r\n", b"2\r\nfg\r\n", b"%x\r\n%b\r\n" % (len(long), long), b"0\r\n\r\n"]
