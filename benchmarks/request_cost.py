@@ -7,6 +7,10 @@ times each part over many requests. The relay itself (aiohttp's server and clien
 end to end by `benchmarks/overhead.py --requests`.
 
     python benchmarks/request_cost.py            # 20,000 requests per part
+
+It also times the record of a streamed answer fed as the relay's lane feeds it (runs of reads in
+their framing) at 2 and 50 tokens: what a record costs per answer and per event, in a loop (live,
+between other work, it costs 2-4 times as much: docs/overhead.md, the fifth pass).
 """
 
 from __future__ import annotations
@@ -47,6 +51,39 @@ def record(i: int) -> Recorder:
     return recorder
 
 
+def streamed_record(i: int, tokens: int = 50) -> Recorder:
+    """The record of a `tokens`-token answer as the relay's lane feeds it: each event one chunk of
+    one read, handed over in runs of 16 inside its framing, then the record made in its steps."""
+    recorder = Recorder.start(f"req-{i}", "POST", "/v1/chat/completions", started=0.0)
+    recorder.request_body(BODY)
+    recorder.response_head(200, "text/event-stream")
+    sink, run, now = recorder.reads_sink, [], 0.0
+    for read in STREAM_READS[:tokens] + STREAM_READS[-2:]:
+        now += 0.02
+        run.append((read, read.index(b"\r\n") + 2, len(read) - 2, now))
+        if len(run) == 16:
+            sink(run, sum(end - start for _, start, end, _ in run))
+            run = []
+    sink(run, sum(end - start for _, start, end, _ in run))
+    recorder.concurrency(1, 1, 1.0)
+    for _ in recorder.finish_steps(now):
+        pass
+    return recorder
+
+
+def _framed(payload: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+STREAM_READS = [_framed(b'data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk","created":1,'
+                        b'"model":"m","system_fingerprint":"fp","choices":[{"index":0,"delta":{'
+                        + (b'"role":"assistant",' if n == 0 else b"") + b'"content":" w%d"},"logprobs":null,'
+                        b'"finish_reason":null}]}\n\n' % n) for n in range(200)]
+STREAM_READS += [_framed(b'data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk","created":1,'
+                         b'"model":"m","system_fingerprint":"fp","choices":[{"index":0,"delta":{},"logprobs":null,'
+                         b'"finish_reason":"length"}]}\n\n'), _framed(b"data: [DONE]\n\n")]
+
+
 def timed(name: str, n: int, work: Callable[[int], object]) -> float:
     started = time.process_time()
     for i in range(n):
@@ -72,6 +109,9 @@ def main() -> int:
     tracker = InFlightTracker()
     print(f"# {time.strftime('%Y-%m-%d')}: fixed work per request, in process, {args.n} requests per part")
     total = timed("record: parse 6 chunks, classify (Recorder)", args.n, record)
+    for tokens in (2, 50):
+        timed(f"  record of a {tokens}-token stream (not summed)", args.n // 4,
+              lambda i, tokens=tokens: streamed_record(i, tokens))
     total += timed("concurrency tracking (admit + release)", args.n, lambda i: tracker.release(tracker.admit()))
     total += timed("record.to_dict()", args.n, lambda i: records[i].to_dict())
     for name, hook in observers:
