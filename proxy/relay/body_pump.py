@@ -58,9 +58,8 @@ class BodyPump:
     """`start()`, then await `waiter` until `stopped` is not PAUSED (after PAUSED: drain, `resume()`)."""
 
     __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_feed_reads",
-                 "_framing", "_head",
-                 "_idle_armed", "_kept", "_lane", "_lost", "_transport", "deadlines", "ended_at", "error", "last",
-                 "max_gap", "read", "stopped", "waiter")
+                 "_framing", "_head", "_idle_armed", "_kept", "_lane", "_lost", "_transport", "deadlines", "ended_at",
+                 "error", "last", "max_gap", "read", "stopped", "waiter")
 
     def __init__(self, content: StreamReader, connection: Connection, client: BaseProtocol, chunked: bool,
                  feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float, head: bytes = b"",
@@ -206,7 +205,7 @@ class BodyPump:
             if transport is None:
                 return
             client = self._client
-            head, self._head = self._head, b""
+            head, self._head = self._head, b""  # (only ever given for a chunked client)
             if not self._chunked:  # an HTTP/1.0 client: the payload alone, ended by the close
                 for piece in pieces:
                     transport.write(piece)
