@@ -32,6 +32,7 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -310,6 +311,17 @@ def added_ms(direct: list[float], relayed: list[float]) -> tuple[float, float]:
             (percentile(relayed, 0.99) - percentile(direct, 0.99)) * 1000)
 
 
+def stop_all(processes: list[subprocess.Popen[bytes]], how: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Signal every process (`how`), then wait for each, killing what outlives `timeout_s`."""
+    for process in processes:
+        process.send_signal(how)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def wait_for(port: int) -> None:
     for _ in range(400):
         with socket.socket() as sock:
@@ -443,12 +455,7 @@ def main() -> int:
         try:
             return report(args, setup, relays)
         finally:
-            for process in setup.processes.values():
-                process.terminate()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            stop_all(list(setup.processes.values()))
             for close in setup.closers:
                 close()
 

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -237,15 +236,7 @@ def main() -> int:
                 break
         summary(best, workers, saturated, len(relay_cores))
     finally:
-        for process, _ in proxies.values():
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            process.terminate()
-        for process in processes + [p for p, _ in proxies.values()]:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        overhead.stop_all([p for p, _ in proxies.values()] + processes, timeout_s=20)
     return 0
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 HARNESS = ROOT.parent / "shared" / "bench" / "overhead"
 
-from benchmarks.overhead import free_port, wait_for  # noqa: E402
+from benchmarks.overhead import free_port, stop_all, wait_for  # noqa: E402
 
 
 def start_proxy(tree: Path, upstream: int, extra: str, tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -115,13 +115,7 @@ def main() -> int:
             print(f"all rounds: A {mean_a:.1f} us/event, B {mean_b:.1f}, B/A {mean_b / mean_a:.3f} "
                   f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f})")
         finally:
-            for process in reversed(processes):
-                process.send_signal(signal.SIGINT)
-            for process in processes:
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            stop_all(processes[::-1], signal.SIGINT)
     return 0
 
 
