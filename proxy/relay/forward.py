@@ -39,6 +39,7 @@ from proxy.relay.http1 import (
     end_to_end,
     only_chunked,
     request_refusal,
+    response_head,
     trailer_section,
 )
 from proxy.relay.in_flight import InFlightTracker, Slot
@@ -115,6 +116,21 @@ class RelayedResponse(web.StreamResponse):
         for name in self.added:
             self.headers.popall(name, None)
 
+    async def _write_headers(self) -> None:
+        """aiohttp's, with the head's bytes made as `start_chunked` makes them: aiohttp's serializer
+        drops a header byte that is not UTF-8 (`caf\\xe9` went out as `caf`), the relay passes it on.
+        (The answers `start_chunked` does not take: a length, an HTTP/1.0 client, a body up to the close.)"""
+        request, writer = self._req, self._payload_writer
+        if request is None or not isinstance(writer, StreamWriter):
+            await super()._write_headers()
+            return
+        version = request.version
+        status_line = f"HTTP/{version[0]}.{version[1]} {self.status} {self.reason}"
+        await writer.write_headers(status_line, self.headers)  # (its hook and its checks, as before)
+        writer._headers_buf = response_head(status_line, self.headers)
+        if self._send_headers_immediately:
+            writer.send_headers()
+
     def start_chunked(self, request: web.BaseRequest, writer: StreamWriter) -> bytes:
         """`prepare()` for the relay's usual answer, an HTTP/1.1 client and a chunked body that
         can have content, with the head returned to go out with the body's first bytes (one write
@@ -132,13 +148,7 @@ class RelayedResponse(web.StreamResponse):
         headers["Transfer-Encoding"] = "chunked"
         if not keep_alive and "Connection" not in headers:
             headers["Connection"] = "close"
-        lines = [f"HTTP/1.1 {self.status} {self.reason}\r\n"]
-        lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-        lines.append("\r\n")
-        head = "".join(lines)
-        if head.count("\n") != len(lines) or head.count("\r") != len(lines):  # (aiohttp's own check)
-            raise ValueError("Newline or carriage return character detected in HTTP status/headers")
-        return head.encode("utf-8", "surrogateescape")
+        return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers)
 
 
 class OwnResponse(web.Response):

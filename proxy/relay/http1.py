@@ -98,6 +98,19 @@ def request_head(method: str, target: str, authority: str, headers: CIMultiDict[
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
+def response_head(status_line: str, headers: CIMultiDict[str]) -> bytes:
+    """The status line and header block of a relayed response, as they go on the wire: the fields in
+    their order, bytes that are not UTF-8 as the upstream sent them (surrogateescape; aiohttp's own
+    serializer drops them). A CR or LF inside a line is refused (ValueError), as aiohttp refuses it."""
+    lines = [f"{status_line}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append("\r\n")
+    head = "".join(lines)
+    if head.count("\n") != len(lines) or head.count("\r") != len(lines):
+        raise ValueError("Newline or carriage return character detected in HTTP status/headers")
+    return head.encode("utf-8", "surrogateescape")
+
+
 def chunk(piece: bytes | bytearray | memoryview) -> bytes:
     """One piece of a body as a chunk (RFC 9112 7.1): its size in hex, CRLF, the bytes, CRLF."""
     return b"%x\r\n" % len(piece) + bytes(piece) + b"\r\n"

@@ -84,6 +84,23 @@ def test_the_prepared_state_the_relay_sets_for_its_own_head() -> None:
         "StreamResponse._prepare_headers", where)
 
 
+def test_the_head_writing_the_relay_replaces_for_its_own_bytes() -> None:
+    """`RelayedResponse._write_headers` does what aiohttp's does, then puts its own bytes where the
+    writer keeps the head until it is sent; tests/relay/test_forward.py compares the bytes."""
+    where = "proxy/relay/forward.py (RelayedResponse._write_headers)"
+    assert inspect.iscoroutinefunction(web.StreamResponse._write_headers), explain(
+        "StreamResponse._write_headers", where)
+    source = inspect.getsource(web.StreamResponse._write_headers)
+    for name in ("writer.write_headers(status_line, self._headers)", "self._send_headers_immediately",
+                 "writer.send_headers()"):
+        assert name in source, explain("StreamResponse._write_headers", where)
+    write_headers = inspect.getsource(StreamWriter.write_headers)
+    assert "self._headers_buf = buf" in write_headers and "self._headers_written = False" in write_headers, explain(
+        "StreamWriter.write_headers", where)
+    assert "self._headers_buf" in inspect.getsource(StreamWriter.send_headers), explain("StreamWriter.send_headers",
+                                                                                        where)
+
+
 async def test_the_stream_writer_the_relay_ends_with_trailers() -> None:
     where = "proxy/relay/forward.py (_end_with_trailers)"
     protocol = ResponseHandler(asyncio.get_running_loop())

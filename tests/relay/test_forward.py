@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from aiohttp.http import StreamWriter
 from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
@@ -219,6 +220,35 @@ async def test_a_body_of_known_length_is_relayed_whole(exchange: Any) -> None:
     assert exchange.client.body == answer
     (record,) = exchange.ends.records
     assert (record.stop_reason, record.length_cause, record.output_tokens) == ("length", "requested_budget", 8)
+
+
+async def test_a_header_value_that_is_not_utf8_reaches_the_client_of_a_body_of_known_length_as_it_came(
+        exchange: Any) -> None:
+    """The answers `start_chunked` does not take go through aiohttp's `prepare`, whose serializer
+    drops such a byte: the relay's `_write_headers` passes it on there too."""
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: exchange.upstream_transport.written.endswith(CHAT))
+    exchange.upstream.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Note: caf\xe9\r\n"
+                                    b"Content-Length: 2\r\n\r\n{}")
+    await asyncio.wait_for(handled, 2)
+    head, _, body = bytes(exchange.client.transport.written).partition(b"\r\n\r\n")
+    assert b"\r\nX-Note: caf\xe9\r\n" in head + b"\r\n" and body == b"{}"
+
+
+@pytest.mark.parametrize("closing", [False, True])
+async def test_the_head_of_a_body_of_known_length_is_the_one_aiohttp_writes(closing: bool) -> None:
+    """Where every value is UTF-8, `RelayedResponse._write_headers` writes aiohttp's own bytes."""
+    heads = []
+    for response in (RelayedResponse(status=201, reason="Created", headers={"X-Note": "caf\u00e9", "A": "b"}),
+                     web.StreamResponse(status=201, reason="Created", headers={"X-Note": "caf\u00e9", "A": "b"})):
+        client = Client()
+        request = client.request(headers={"Connection": "close"} if closing else {}, closing=closing)
+        response.content_length = 2
+        await response.prepare(request)
+        await response.write(b"{}")
+        await response.write_eof()
+        heads.append(bytes(client.transport.written))
+    assert heads[0] == heads[1] and heads[0].endswith(b"\r\n\r\n{}")
 
 
 async def test_an_upstream_that_breaks_mid_stream_breaks_the_clients_connection_and_is_recorded(
