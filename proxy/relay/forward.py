@@ -9,6 +9,7 @@ traffic does not: the record says `parse_error`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -126,8 +127,10 @@ class RelayedResponse(web.StreamResponse):
             return
         version = request.version
         status_line = f"HTTP/{version[0]}.{version[1]} {self.status} {self.reason}"
-        await writer.write_headers(status_line, self.headers)  # (its hook and its checks, as before)
-        writer._headers_buf = response_head(status_line, self.headers)
+        # (its hook and its checks, as before; its pure-Python serializer refuses such a byte, the C one drops it)
+        with contextlib.suppress(UnicodeEncodeError):
+            await writer.write_headers(status_line, self.headers)
+        writer._headers_buf, writer._headers_written = response_head(status_line, self.headers), False
         if self._send_headers_immediately:
             writer.send_headers()
 
