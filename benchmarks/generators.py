@@ -29,9 +29,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-HARNESS = ROOT.parent / "shared" / "bench" / "overhead"
-
-from benchmarks.overhead import NGINX_CONF, cpu_seconds, free_port, staggered, stop_all, wait_for  # noqa: E402
+from benchmarks.overhead import (  # noqa: E402
+    HARNESS,
+    NGINX_CONF,
+    cpu_seconds,
+    free_port,
+    harness_loadgen,
+    staggered,
+    stop_all,
+    wait_for,
+)
 
 TOKENS = 50
 STREAMS = 64
@@ -70,11 +77,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="the harness generator's measured window")
     args = parser.parse_args()
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not (HARNESS / "loadgen.py").exists() or not Path(nginx).exists() or len(os.sched_getaffinity(0)) < 2:
+    loadgen = harness_loadgen()
+    if loadgen is None or not Path(nginx).exists() or len(os.sched_getaffinity(0)) < 2:
         print(f"generators: needs the harness at {HARNESS}, nginx and two CPUs", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(HARNESS))
-    import loadgen  # the harness's generator
 
     processes: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="generators-") as name:
@@ -118,9 +124,9 @@ def main() -> int:
                     per = {gen: cpu / max(1, answers) * 1e6 for gen, (cpu, answers) in spent.items()}
                     print(f"{number:>5} {relay:>6} {per['harness']:>12.0f} {per['ours']:>8.0f} "
                           f"{per['ours'] / per['harness']:>13.3f}", flush=True)
-            per = {key: cpu / max(1, answers) * 1e6 for key, (cpu, answers) in totals.items()}
+            overall = {key: cpu / max(1, answers) * 1e6 for key, (cpu, answers) in totals.items()}
             for gen in ("harness", "ours"):
-                nginx_us, proxy_us = per["nginx", gen], per["proxy", gen]
+                nginx_us, proxy_us = overall["nginx", gen], overall["proxy", gen]
                 print(f"all rounds, {gen + ' generator:':<19} nginx {nginx_us / EVENTS:.1f}, proxy "
                       f"{proxy_us / EVENTS:.1f} us/event: proxy/nginx {proxy_us / nginx_us:.2f}")
         finally:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -51,6 +52,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # `proxy` runs as users run it: its defaults (the history on, a log line per record, the upstream's
 # state polled); `nohist` is the same with `--history off`, beside it.
 TARGETS = ("direct", "nginx", "proxy", "nohist", "bare", "raw")
+
+
+# The independent harness (`../shared/bench/overhead/`), when it stands beside this checkout.
+HARNESS = ROOT.parent / "shared" / "bench" / "overhead"
+
+
+def harness_loadgen() -> Any:
+    """The independent harness's load generator, its `loadgen` module; None where it is not here."""
+    if not (HARNESS / "loadgen.py").exists():
+        return None
+    if str(HARNESS) not in sys.path:
+        sys.path.insert(0, str(HARNESS))
+    import loadgen  # type: ignore[import-not-found]
+
+    return loadgen
 
 
 def free_port() -> int:

@@ -31,9 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-HARNESS = ROOT.parent / "shared" / "bench" / "overhead"
-
-from benchmarks.overhead import free_port, stop_all, wait_for  # noqa: E402
+from benchmarks.overhead import HARNESS, free_port, harness_loadgen, stop_all, wait_for  # noqa: E402
 
 
 def start_proxy(tree: Path, upstream: int, extra: str, tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -73,15 +71,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if not (HARNESS / "loadgen.py").exists():
+    loadgen = harness_loadgen()
+    if loadgen is None:
         print(f"side_by_side: the independent harness is not at {HARNESS}", file=sys.stderr)
         return 2
     for tree in (args.a, args.b):
         if not (tree / "proxy" / "__main__.py").exists():
             print(f"side_by_side: {tree} is not a source tree of the proxy", file=sys.stderr)
             return 2
-    sys.path.insert(0, str(HARNESS))
-    import loadgen  # the harness's generator
 
     processes: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as name:
