@@ -169,11 +169,13 @@ def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
 
 
 # --- nginx -----------------------------------------------------------------------------------
+# The independent harness's settings (../shared/bench/overhead/overhead.sh), so that both measure
+# the same nginx: keep-alive without a request limit on either side, every waiting accept at once.
 NGINX_CONF = """worker_processes 1;
 daemon off;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 4096; multi_accept on; }}
 http {{
     access_log off;
     client_body_temp_path {dir}/body;
@@ -181,9 +183,11 @@ http {{
     fastcgi_temp_path {dir}/fastcgi;
     uwsgi_temp_path {dir}/uwsgi;
     scgi_temp_path {dir}/scgi;
-    upstream llm {{ server 127.0.0.1:{upstream}; keepalive 256; }}
+    upstream llm {{ server 127.0.0.1:{upstream}; keepalive 256; keepalive_requests 1000000; }}
     server {{
         listen 127.0.0.1:{port} backlog=1024;
+        keepalive_requests 1000000;
+        keepalive_timeout 300s;
         location / {{
             proxy_pass http://llm;
             proxy_http_version 1.1;
