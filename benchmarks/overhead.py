@@ -320,6 +320,21 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    """User and kernel CPU of a process tree in clock ticks (/proc/PID/stat's utime and stime): coarse,
+    but the one place that says how much of a relay's CPU the kernel spent (its syscalls, and the
+    loopback's TCP work done in them)."""
+    user = kernel = 0
+    for each in descendants(pid):
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+            user += int(fields[11])
+            kernel += int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return user, kernel
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -546,13 +561,18 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
         ttft_samples: dict[str, list[float]] = {name: [] for name in relays}
         per_event: dict[str, list[float]] = {name: [] for name in relays}
         busy: dict[str, list[float]] = {name: [] for name in relays}
+        ticks: dict[str, list[int]] = {name: [0, 0] for name in relays}  # user, kernel: every round
         events = concurrency * (1 + EXTRA_EVENTS) + concurrency * 4 * (args.paced_tokens + EXTRA_EVENTS)
         for round_ in range(args.paced_rounds):  # the relays in turn, each round starting one further on
             for name in relays[round_ % len(relays):] + relays[:round_ % len(relays)]:
-                before, started = cpu_seconds(setup.processes[name].pid), time.perf_counter()
+                pid = setup.processes[name].pid
+                before, started, ticked = cpu_seconds(pid), time.perf_counter(), cpu_ticks(pid)
                 ttft_samples[name] += asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens,
                                                             args.token_interval))
-                used, elapsed = cpu_seconds(setup.processes[name].pid) - before, time.perf_counter() - started
+                used, elapsed = cpu_seconds(pid) - before, time.perf_counter() - started
+                (user, kernel), (user_then, kernel_then) = cpu_ticks(pid), ticked
+                ticks[name][0] += user - user_then
+                ticks[name][1] += kernel - kernel_then
                 per_event[name].append(used / events * 1e6)
                 busy[name].append(used / elapsed)
         for name in relays:
@@ -563,6 +583,15 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
         if args.paced_rounds > 1:
             print(f"# {concurrency} paced streams, us/event per round: "
                   + "; ".join(f"{name} {' '.join(f'{c:.1f}' for c in per_event[name])}" for name in relays), flush=True)
+        parts = []
+        for name in relays:
+            user, kernel = ticks[name]
+            if user + kernel:
+                share = kernel / (user + kernel)
+                whole = statistics.median(per_event[name])
+                parts.append(f"{name} {share * whole:.1f} of {whole:.2f} us ({share:.0%})")
+        print(f"# {concurrency} paced streams, the kernel's part of that CPU (stime over utime+stime in "
+              "/proc/PID/stat, every round): " + ", ".join(parts), flush=True)
     if args.requests:
         for name in relays:
             asyncio.run(short_requests(setup.urls[name], WARM_UP, 16))  # its pool grown, its code paths warm
