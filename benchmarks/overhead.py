@@ -13,8 +13,9 @@ tokens/s direct, through nginx and through the proxy; the CPU each relay spent p
 event (user + system time of all its processes over the events it carried); and the TTFT each
 relay adds (p50, p99). Then **paced** (like a real server, `--token-interval`): the added TTFT
 at the same levels, and the CPU per event at one event per write, the median of `--paced-rounds`
-rounds with the relays in turn (its spread from run to run is wider than the unpaced one's).
-Then the idle TTFT of single requests, each target in turn.
+rounds with the relays in turn (its spread from run to run is wider than the unpaced one's), and
+how much of it the kernel spent (the syscalls and the loopback's TCP work: the same for any relay,
+so the part that tells relays apart is the rest). Then the idle TTFT of single requests, each target in turn.
 
     python benchmarks/overhead.py                       # the whole table
     python benchmarks/overhead.py --workers 2           # the proxy with two worker processes
