@@ -39,6 +39,7 @@ from benchmarks.overhead import (  # noqa: E402
     stop_all,
     wait_for,
 )
+from benchmarks.side_by_side import start_proxy  # noqa: E402
 
 TOKENS = 50
 STREAMS = 64
@@ -100,12 +101,7 @@ def main() -> int:
                                        stderr=subprocess.DEVNULL)
             processes.append(process)
             relays["nginx"] = (nginx_port, process.pid)
-            proxy_port = free_port()
-            process = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "proxy", "serve",
-                                        "--upstream", f"http://127.0.0.1:{upstream_port}",
-                                        "--listen", f"127.0.0.1:{proxy_port}", "--admin-listen",
-                                        f"127.0.0.1:{free_port()}", "--history", str(tmp / "history.sqlite3")],
-                                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            process, proxy_port = start_proxy(ROOT, upstream_port, "", tmp, "proxy")  # (its defaults: the history on)
             processes.append(process)
             relays["proxy"] = (proxy_port, process.pid)
             for port, _ in relays.values():
