@@ -21,6 +21,14 @@ A string body is plain when it holds no quote, no control byte, no escape other 
 `\\n \\t \\" \\\\ \\/ \\b \\f \\r`, and is valid UTF-8: then the event is valid JSON exactly when the
 learned one was. Anything else is decoded, so records are the same with and without this path
 (tests/wire/test_fast_tokens.py compares them over random streams and cuts).
+
+What one response learned serves the next ones of its dialect (`ShapeMemory`, process-wide and
+bounded): a shape says what bytes decode to, whatever the response, because the dialects' reading
+is pure (the same JSON, the same events). A response starts with the shapes the last one of its
+dialect ended with, and a check already made is not decoded again. Where a server's events keep
+their shape from one answer to the next (Ollama's lines, Anthropic's deltas) an answer is then
+counted without learning anything; where they carry the answer's own id (vLLM), each answer learns
+its shape as before.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ _PLAIN_SCALAR = re.compile(rb'[^"\\\x00-\x1f]*')  # a string hole's body: no esc
 NOT_PLAIN, EMPTY, VISIBLE, REASONING = -1, 0, 1, 2  # what `PlainTokens.count` says of an event
 EVENTS: dict[int, tuple[Event, ...]] = {EMPTY: (), VISIBLE: (ONE_TOKEN,), REASONING: (ONE_REASONING_TOKEN,)}
 MAX_LEARNED = 64  # shapes learned per response; past it (a shape that never repeats) all is decoded
+MAX_CHECKS = 128  # checks a dialect's memory keeps (the oldest goes first), each of at most CHECK_BYTES
+CHECK_BYTES = 2048
+MAX_MEMORIES = 16  # dialects with a memory (the proxy has five; more are each response's own)
 
 
 def _body_is_plain(data: bytes, start: int, end: int) -> bool:
@@ -117,18 +128,62 @@ def _token_string(data: bytes, keys: tuple[bytes, ...]) -> tuple[int, int] | Non
     return None
 
 
+class ShapeMemory:
+    """What the responses of one dialect taught (see the module's docstring): the shapes the last
+    one ended with, and the checks made (the events a check's bytes decode to), the oldest dropped
+    past MAX_CHECKS. A shape is never changed once learned, so responses share them."""
+
+    __slots__ = ("_checks", "shapes")
+
+    def __init__(self) -> None:
+        self.shapes: tuple[Shape, ...] = ()
+        self._checks: dict[bytes, tuple[Event, ...] | None] = {}
+
+    def decodes_to(self, data: bytes, decode: Callable[[bytes], tuple[Event, ...] | None]) -> tuple[Event, ...] | None:
+        """`decode(data)`, made once for bytes of at most CHECK_BYTES."""
+        checks = self._checks
+        if data in checks:
+            return checks[data]
+        found = decode(data)
+        if len(data) <= CHECK_BYTES:
+            if len(checks) >= MAX_CHECKS:
+                del checks[next(iter(checks))]
+            checks[data] = found
+        return found
+
+
+_MEMORIES: dict[tuple[Interpret, tuple[bytes, ...], tuple[bytes, ...]], ShapeMemory] = {}
+
+
+def memory_of(interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...]) -> ShapeMemory:
+    """The memory shared by the responses read with `interpret` and these keys (a dialect's); a
+    memory of its own past MAX_MEMORIES of them."""
+    key = (interpret, keys, reasoning_keys)
+    memory = _MEMORIES.get(key)
+    if memory is None:
+        memory = ShapeMemory()
+        if len(_MEMORIES) < MAX_MEMORIES:
+            _MEMORIES[key] = memory
+    return memory
+
+
 class PlainTokens:
     """The learned shapes of one response, and the test an event's bytes are put to."""
 
-    __slots__ = ("_interpret", "_keys", "_learned", "_only", "_reasoning_keys", "shapes")
+    __slots__ = ("_interpret", "_keys", "_learned", "_memory", "_only", "_reasoning_keys", "shapes")
 
-    def __init__(self, interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...]) -> None:
+    def __init__(self, interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...],
+                 memory: ShapeMemory | None = None) -> None:
+        """`memory`: what earlier responses of the dialect learned, shared (None: this response's own)."""
         self._interpret = interpret
         self._keys = keys
         self._reasoning_keys = reasoning_keys
         self._learned = 0
-        self.shapes: list[Shape] = []  # at most one for visible tokens and one for reasoning
+        self._memory = memory if memory is not None else ShapeMemory()
+        # At most one for visible tokens and one for reasoning: the last response's, to begin with.
+        self.shapes: list[Shape] = list(self._memory.shapes)
         self._only: tuple[bytes, bytes, int] | None = None  # the one shape, when it has no hole
+        self._found_only()
 
     @property
     def only(self) -> tuple[bytes, bytes, int] | None:
@@ -182,11 +237,19 @@ class PlainTokens:
             self.shapes.remove(old)
             shape = self._with_hole(old, shape) or shape
         self.shapes.append(shape)
+        self._memory.shapes = tuple(self.shapes)  # (what the next response starts with)
+        self._found_only()
+
+    def _found_only(self) -> None:
         only = self.shapes[0] if len(self.shapes) == 1 and self.shapes[0].hole is None else None
         self._only = None if only is None else (only.head_a, only.tail, only.count)
 
     def _decodes_to(self, data: bytes) -> tuple[Event, ...] | None:
-        """The events `data` decodes to, as a tuple (to compare with EVENTS), or None."""
+        """The events `data` decodes to, as a tuple (to compare with EVENTS), or None: a check's
+        bytes, decoded once for the dialect (`ShapeMemory`)."""
+        return self._memory.decodes_to(data, self._decode)
+
+    def _decode(self, data: bytes) -> tuple[Event, ...] | None:
         try:
             return tuple(self._interpret(orjson.loads(data)))
         except (ValueError, TypeError, AttributeError):

@@ -16,7 +16,7 @@ import orjson
 
 from proxy.wire.dialects.base import Dialect
 from proxy.wire.events import DONE, NO_EVENTS, Event, ParseError, TokenDelta
-from proxy.wire.fast_tokens import EVENTS, NOT_PLAIN, REASONING, UNSAFE, VISIBLE, PlainTokens
+from proxy.wire.fast_tokens import EVENTS, NOT_PLAIN, REASONING, UNSAFE, VISIBLE, PlainTokens, memory_of
 from proxy.wire.ndjson import NdjsonDecoder
 from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.sse import SseDecoder
@@ -79,7 +79,8 @@ class _StreamParser:
         self._max_line = max_line
         self._overlong = 0
         self._plain = plain
-        self._one_ready = False  # the decoder holds nothing and a shape is learned: `_one` may answer
+        # The decoder holds nothing and a shape is known (an earlier response's, at first): `_one` may answer.
+        self._one_ready = plain is not None and bool(plain.shapes)
         # The one learned shape, framed as a read of its own: (its shape, head, tail), for `plain_reads`.
         self._framed: tuple[tuple[bytes, bytes, int], bytes, bytes] | None = None
 
@@ -503,7 +504,8 @@ def parser_for(dialect: Dialect, content_type: str, content_encoding: str, *, ma
         events, read_texts = dialect.events, dialect.texts
         interpret = lambda obj: [*events(obj), *read_texts(obj)]  # noqa: E731
         fast_path = False
-    plain = (PlainTokens(interpret, dialect.token_keys, dialect.reasoning_keys)
+    keys = dialect.token_keys, dialect.reasoning_keys
+    plain = (PlainTokens(interpret, *keys, memory=memory_of(interpret, *keys))
              if fast_path and (dialect.token_keys or dialect.reasoning_keys) else None)
     media = content_type.partition(";")[0].strip().lower()
     parser: ResponseParser

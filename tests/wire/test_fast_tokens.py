@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.wire import fast_tokens
 from proxy.wire.dialects import dialect_named
-from proxy.wire.fast_tokens import PlainTokens, _common_prefix
+from proxy.wire.fast_tokens import PlainTokens, ShapeMemory, _common_prefix, memory_of
 
 TEXTS = ["tok ", "", " ", 'say "hi"', "back\\slash", "line\nbreak", "tab\there", "é漢🙂", "\u0001ctl",
          '"finish_reason":null', '","done":false}', "data: [DONE]", "\r\n", "{}", "\\u0041", "x" * 300]
@@ -268,6 +269,104 @@ def test_a_shape_with_a_changing_scalar_learns_a_hole() -> None:
     assert [plain.count(line) for line in lines[2:]] == [1, 1, 1]
     assert plain.count(lines[2].replace(b'"t2"', b'"t\\"2"')) == 1  # an escaped quote is still plain
     assert plain.count(lines[2].replace(b'"t2"', b'"t\x012"')) == -1  # a raw control byte is not JSON
+
+
+def ollama_line(n: int, model: str = "m") -> bytes:
+    return orjson.dumps({"model": model, "created_at": f"2026-12-03T10:00:0{n % 10}.{n:06d}Z",
+                         "message": {"role": "assistant", "content": f"tok{n} "}, "done": False})
+
+
+def test_a_response_starts_with_the_shapes_the_last_one_of_its_dialect_learned() -> None:
+    """Ollama's lines keep their shape from one answer to the next: the first answer learns it (its
+    created_at hole too), the next ones count every token line without decoding one."""
+    dialect = dialect_named("ollama")
+    decoded: list[Any] = []
+
+    def counting(obj: Any) -> Any:
+        decoded.append(obj)
+        return dialect.events(obj)
+
+    memory = ShapeMemory()
+    first = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
+    for n in range(6):
+        line = ollama_line(n)
+        if first.count(line) == -1:
+            first.decoded(line, counting(orjson.loads(line)))
+    learned = len(decoded)
+    assert learned >= 2
+    second = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
+    assert [second.count(ollama_line(n)) for n in range(10, 20)] == [1] * 10
+    assert len(decoded) == learned
+    # Another model's lines are another shape: learned again, its checks decoded for it alone.
+    third = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
+    assert third.count(ollama_line(30, model="other")) == -1
+
+
+def test_a_check_is_decoded_once_for_its_dialect() -> None:
+    """A shape's check (its bytes with the token emptied) is decoded for the first response that
+    learns the shape; later responses that learn the same shape take the answer kept."""
+    dialect = dialect_named("openai")
+    decoded: list[Any] = []
+
+    def counting(obj: Any) -> Any:
+        decoded.append(obj)
+        return dialect.events(obj)
+
+    memory = ShapeMemory()
+    role_first = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]})
+    plain = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "b"}}]})
+    for answer in range(3):
+        tokens = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
+        before = len(decoded)
+        for event in (role_first, plain, plain):
+            if tokens.count(event) == -1:
+                tokens.decoded(event, counting(orjson.loads(event)))
+        # Each answer decodes its first two events (each a shape of its own); the checks, once.
+        assert len(decoded) - before == (4 if answer == 0 else 2)
+
+
+def test_what_a_memory_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_tokens, "_MEMORIES", {})
+    memory = ShapeMemory()
+    calls: list[bytes] = []
+
+    def decode(data: bytes) -> tuple[()]:
+        calls.append(data)
+        return ()
+
+    for n in range(fast_tokens.MAX_CHECKS + 10):
+        memory.decodes_to(b"%d" % n, decode)
+    assert len(memory._checks) == fast_tokens.MAX_CHECKS
+    assert b"0" not in memory._checks and b"%d" % (fast_tokens.MAX_CHECKS + 9) in memory._checks
+    long = b"x" * (fast_tokens.CHECK_BYTES + 1)
+    memory.decodes_to(long, decode)
+    memory.decodes_to(long, decode)
+    assert calls.count(long) == 2 and long not in memory._checks  # decoded each time, never kept
+    shared = memory_of(dialect_named("openai").events, (b"a",), ())
+    assert memory_of(dialect_named("openai").events, (b"a",), ()) is shared
+    for n in range(fast_tokens.MAX_MEMORIES + 2):
+        memory_of(lambda obj: [], (b"%d" % n,), ())
+    assert len(fast_tokens._MEMORIES) <= fast_tokens.MAX_MEMORIES
+    own = memory_of(lambda obj: [], (b"new",), ())
+    assert own is not memory_of(lambda obj: [], (b"new",), ())
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(sorted(KINDS)), seeds=st.lists(st.integers(0, 2**32 - 1), min_size=2, max_size=6))
+def test_answers_in_a_row_give_the_records_of_the_full_parser(kind: str, seeds: list[int]) -> None:
+    """Each answer starts with the shapes of the one before it, whatever they were (another id,
+    another model, a role in the first token's event, reasoning): the records are still those of
+    the full parser, answer after answer."""
+    path, media, build = KINDS[kind]
+    for seed in seeds:
+        rng = random.Random(seed)
+        events = [garble(rng, event) for event in build(rng)]
+        if rng.random() < 0.5:  # another answer's id, or another model
+            events = [event.replace(b"chatcmpl-1", b"chatcmpl-%d" % seed).replace(b'"model":"m"', b'"model":"n"')
+                      for event in events]
+        body = b"".join(events)
+        reads = cut(rng, body, events)
+        assert record_of(path, media, reads, fast=True) == record_of(path, media, reads, fast=False)
 
 
 @given(st.binary(max_size=40), st.binary(max_size=8), st.binary(max_size=8))

@@ -27,7 +27,8 @@ class Dialect:
     - `token_keys`, `reasoning_keys`: the fast path (proxy/wire/fast_tokens.py). The JSON keys, with their
       value's opening quote (`b'"content":"'`), whose string is the text of a streamed event that
       `events` reads as one visible (or reasoning) token; the shape of such an event is learned
-      per response and later events in that shape are counted without decoding.
+      (and kept for the dialect's next responses) and later events in that shape are counted
+      without decoding: `events` must be pure, the same JSON giving the same events;
     - `streams_by_default`: what `stream` means when the request leaves it out;
     - `provider`: the provider OpenTelemetry's GenAI conventions name for it (`gen_ai.provider.name`);
     - `sweep_dialect`: the dialect a sweep repeats its requests in (llama.cpp's `/completion` is swept
