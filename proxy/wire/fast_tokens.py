@@ -147,7 +147,7 @@ class ShapeMemory:
         found = decode(data)
         if len(data) <= CHECK_BYTES:
             if len(checks) >= MAX_CHECKS:
-                del checks[next(iter(checks))]
+                checks.pop(next(iter(checks)), None)
             checks[data] = found
         return found
 
