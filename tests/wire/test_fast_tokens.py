@@ -209,23 +209,35 @@ def test_long_streams_counted_read_by_read_give_the_records_of_the_full_parser(s
         record_of("/v1/chat/completions", "text/event-stream", reads, fast=False)
 
 
+class Counting:
+    """A dialect's reading that counts the objects it decodes, and PlainTokens made with it."""
+
+    def __init__(self, name: str) -> None:
+        self.dialect = dialect_named(name)
+        self.decoded: list[Any] = []
+
+    def __call__(self, obj: Any) -> Any:
+        self.decoded.append(obj)
+        return self.dialect.events(obj)
+
+    def tokens(self, memory: ShapeMemory | None = None) -> PlainTokens:
+        return PlainTokens(self, self.dialect.token_keys, self.dialect.reasoning_keys, memory)
+
+    def take(self, tokens: PlainTokens, events: Any) -> None:
+        """Each event counted from its bytes, or else decoded (and its shape learned), as a parser does."""
+        for event in events:
+            if tokens.count(event) == -1:
+                tokens.decoded(event, self(orjson.loads(event)))
+
+
 def test_the_fast_path_takes_plain_events_without_decoding_them() -> None:
     """The point of it: after the first, plain tokens of a vLLM stream are not decoded."""
-    dialect = dialect_named("openai")
-    decoded = []
-
-    def counting(obj: Any) -> Any:
-        decoded.append(obj)
-        return dialect.events(obj)
-
-    plain = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys)
+    reading = Counting("openai")
     tokens = [orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1733000000,
                             "model": "m", "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "logprobs": None,
                                                        "finish_reason": None}]}) for i in range(20)]
-    for event in tokens:
-        if plain.count(event) == -1:
-            plain.decoded(event, counting(orjson.loads(event)))
-    assert len(decoded) == 2  # the first event and the shape's check; the other 19 are counted from bytes
+    reading.take(reading.tokens(), tokens)
+    assert len(reading.decoded) == 2  # the first event and the shape's check; the other 19 are counted from bytes
 
 
 @pytest.mark.parametrize("kind", ["openai", "ollama"])
@@ -279,50 +291,30 @@ def ollama_line(n: int, model: str = "m") -> bytes:
 def test_a_response_starts_with_the_shapes_the_last_one_of_its_dialect_learned() -> None:
     """Ollama's lines keep their shape from one answer to the next: the first answer learns it (its
     created_at hole too), the next ones count every token line without decoding one."""
-    dialect = dialect_named("ollama")
-    decoded: list[Any] = []
-
-    def counting(obj: Any) -> Any:
-        decoded.append(obj)
-        return dialect.events(obj)
-
+    reading = Counting("ollama")
     memory = ShapeMemory()
-    first = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
-    for n in range(6):
-        line = ollama_line(n)
-        if first.count(line) == -1:
-            first.decoded(line, counting(orjson.loads(line)))
-    learned = len(decoded)
+    reading.take(reading.tokens(memory), [ollama_line(n) for n in range(6)])
+    learned = len(reading.decoded)
     assert learned >= 2
-    second = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
+    second = reading.tokens(memory)
     assert [second.count(ollama_line(n)) for n in range(10, 20)] == [1] * 10
-    assert len(decoded) == learned
+    assert len(reading.decoded) == learned
     # Another model's lines are another shape: learned again, its checks decoded for it alone.
-    third = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
-    assert third.count(ollama_line(30, model="other")) == -1
+    assert reading.tokens(memory).count(ollama_line(30, model="other")) == -1
 
 
 def test_a_check_is_decoded_once_for_its_dialect() -> None:
     """A shape's check (its bytes with the token emptied) is decoded for the first response that
     learns the shape; later responses that learn the same shape take the answer kept."""
-    dialect = dialect_named("openai")
-    decoded: list[Any] = []
-
-    def counting(obj: Any) -> Any:
-        decoded.append(obj)
-        return dialect.events(obj)
-
+    reading = Counting("openai")
     memory = ShapeMemory()
     role_first = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]})
     plain = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "b"}}]})
     for answer in range(3):
-        tokens = PlainTokens(counting, dialect.token_keys, dialect.reasoning_keys, memory)
-        before = len(decoded)
-        for event in (role_first, plain, plain):
-            if tokens.count(event) == -1:
-                tokens.decoded(event, counting(orjson.loads(event)))
+        before = len(reading.decoded)
+        reading.take(reading.tokens(memory), (role_first, plain, plain))
         # Each answer decodes its first two events (each a shape of its own); the checks, once.
-        assert len(decoded) - before == (4 if answer == 0 else 2)
+        assert len(reading.decoded) - before == (4 if answer == 0 else 2)
 
 
 def test_what_a_memory_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
