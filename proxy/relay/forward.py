@@ -44,6 +44,7 @@ from proxy.relay.http1 import (
     trailer_section,
 )
 from proxy.relay.in_flight import InFlightTracker, Slot
+from proxy.relay.listeners import OwnResponse
 from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
@@ -152,15 +153,6 @@ class RelayedResponse(web.StreamResponse):
         if not keep_alive and "Connection" not in headers:
             headers["Connection"] = "close"
         return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers)
-
-
-class OwnResponse(web.Response):
-    """The proxy's own answer (when the upstream gave none): with a `Date`, as an origin's answer
-    has, and no `Server` (aiohttp's would name its version)."""
-
-    async def _prepare_headers(self) -> None:
-        await super()._prepare_headers()
-        self.headers.popall("Server", None)
 
 
 _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")

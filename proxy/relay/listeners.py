@@ -62,6 +62,15 @@ class OneLineClientErrors(logging.LoggerAdapter[logging.Logger]):
 SERVER_LOG = OneLineClientErrors(logging.getLogger("aiohttp.server"), {})
 
 
+class OwnResponse(web.Response):
+    """The proxy's own answer (when the upstream gave none, or the request could not be read): with
+    a `Date`, as an origin's answer has, and no `Server` (aiohttp's would name its version)."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Server", None)
+
+
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's connection handler, answering a malformed request with a clean JSON 400."""
 
@@ -78,7 +87,7 @@ class GuardedRequestHandler(RequestHandler):
             hook(reason)
         body = orjson.dumps({"error": {"type": "bad_request", "message": f"the request is not valid HTTP "
                                        f"({reason.replace('_', ' ')})", "source": "llm-diag-proxy"}})
-        response = web.Response(status=400, body=body, content_type="application/json")
+        response = OwnResponse(status=400, body=body, content_type="application/json")
         response.force_close()
         return response
 

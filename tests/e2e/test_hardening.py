@@ -115,6 +115,7 @@ async def test_a_refused_header_is_never_echoed_or_logged(upstream: ScriptedUpst
     answer = await exchange(proxy.proxy_url, b"GET /v1/models HTTP/1.1\r\nHost: p\r\n" + header + b"\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")) and b"application/json" in head
+    assert b"\r\nServer:" not in head and b"aiohttp" not in answer  # (aiohttp's own names its version)
     assert orjson.loads(body)["error"]["type"] == "bad_request"
     assert b"SECRET" not in answer
     logged = [r.getMessage() for r in caplog.records]
@@ -122,6 +123,15 @@ async def test_a_refused_header_is_never_echoed_or_logged(upstream: ScriptedUpst
     assert all(r.exc_info is None for r in caplog.records)
     assert upstream.seen == []
     assert proxy.metrics.registry.get_sample_value("llm_proxy_invalid_requests_total", {"reason": reason}) == 1
+
+
+async def test_the_admin_listener_refuses_a_request_it_cannot_read_without_naming_aiohttp(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(upstream.url)
+    answer = await exchange(proxy.admin_url, b"GET /healthz HTTP/1.1\r\nHost: p\r\nBad Header\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")) and orjson.loads(body)["error"]["type"] == "bad_request"
+    assert b"\r\nServer:" not in head and b"aiohttp" not in answer
 
 
 # --- 4. the listen backlog -----------------------------------------------------------------------

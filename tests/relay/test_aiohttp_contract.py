@@ -63,7 +63,7 @@ async def test_the_response_protocol_reads_an_answer_as_the_connection_uses_it()
 
 
 def test_the_response_head_hook_the_relay_overrides() -> None:
-    where = "proxy/relay/forward.py (RelayedResponse, OwnResponse)"
+    where = "proxy/relay/forward.py (RelayedResponse), proxy/relay/listeners.py (OwnResponse)"
     assert inspect.iscoroutinefunction(web.StreamResponse._prepare_headers), explain(
         "StreamResponse._prepare_headers", where)
     assert parameters(web.StreamResponse._prepare_headers) == ["self"], explain(
