@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict
 
 from proxy.wire.parse_bytes import ParseBytes
@@ -44,6 +45,7 @@ class RequestBody:
         request = self._request
         if not request.body_exists:
             return
+        _continue(request)
         declared = request.content_length
         if declared is not None:
             if declared > cap:
@@ -100,6 +102,22 @@ class RequestBody:
         """Give the held bytes back (idempotent)."""
         self._parse_bytes.release(self._reserved)
         self._reserved = 0
+
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _continue(request: web.BaseRequest) -> None:
+    """An HTTP/1.1 client that expects `100-continue` waits for it before it sends its body (curl for
+    a second, others longer): the proxy, which reads every body, asks for it at once, unless some of
+    it has come already (RFC 9110 section 10.1.1; an HTTP/1.0 client's expectation is ignored). The
+    field itself is not sent on (`http1.REQUEST_SKIP`): the upstream gets the body with the request."""
+    if (request.version != HttpVersion11 or request.content.total_bytes
+            or request.headers.get("Expect", "").strip().lower() != "100-continue"):
+        return
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        transport.write(CONTINUE)
 
 
 _PARSE_BYTES_RAN_OUT = "the process-wide bytes held for parsing (--parse-bytes) ran out: request body not parsed"

@@ -343,6 +343,50 @@ async def test_a_client_that_expects_100_continue_gets_its_answer(upstream: Scri
     assert "expect" not in {name.lower() for name in upstream.seen[-1].headers}  # answered here, not sent on
 
 
+async def expecting_continue(proxy: RunningProxy, version: bytes, body: bytes, *,
+                             with_head: bytes = b"") -> tuple[bytes, bytes]:
+    """A raw client that says `Expect: 100-continue` and sends `with_head` with its head: what came
+    before it sent the rest of its body (waiting up to a second), and the answer after."""
+    host, port = proxy.proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/" + version + b"\r\nHost: p\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), with_head))
+        await writer.drain()
+        before = b""
+        with contextlib.suppress(TimeoutError):
+            before = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1.0)
+        writer.write(body[len(with_head):])
+        await writer.drain()
+        return before, await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_100_continue_comes_at_once_and_the_body_goes_upstream_without_the_expectation(
+        upstream: ScriptedUpstream, proxy: RunningProxy) -> None:
+    upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 4000}]})
+    started = time.monotonic()
+    before, answer = await expecting_continue(proxy, b"1.1", body)
+    assert before == b"HTTP/1.1 100 Continue\r\n\r\n" and time.monotonic() - started < 1.0
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"100 Continue" not in answer
+    assert upstream.seen[-1].body == body
+    assert "expect" not in {name.lower() for name in upstream.seen[-1].headers}
+
+
+async def test_no_100_continue_to_an_http_1_0_client_or_once_the_body_has_begun(
+        upstream: ScriptedUpstream, proxy: RunningProxy) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]})
+    for version, with_head in ((b"1.0", b""), (b"1.1", body[:10])):
+        upstream.push(Script([openai_completion(3)], headers=JSON_HEADERS))
+        before, answer = await expecting_continue(proxy, version, body, with_head=with_head)
+        assert before == b"" and b"100 Continue" not in answer
+        assert answer.split(b"\r\n", 1)[0] in (b"HTTP/1.1 200 OK", b"HTTP/1.0 200 OK")
+        assert upstream.seen[-1].body == body
+
+
 # --- 8. the admin API, in pages ------------------------------------------------------------------
 
 async def test_records_page_by_cursor_and_time_without_gaps_or_repeats(
