@@ -34,13 +34,16 @@ from proxy.relay.admission import AdmissionGate, Refused
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import (
+    NO_SPELLING,
     REQUEST_SKIP,
     RESPONSE_SKIP,
     Refusal,
+    Spelling,
     end_to_end,
     only_chunked,
     request_refusal,
     response_head,
+    spelling,
     trailer_section,
 )
 from proxy.relay.in_flight import InFlightTracker, Slot
@@ -112,6 +115,7 @@ class RelayedResponse(web.StreamResponse):
     `Server` (it names aiohttp's version): a proxy passes on what the server said."""
 
     added: frozenset[str] = frozenset()  # the fields aiohttp adds that the upstream did not send
+    spelled: Spelling = NO_SPELLING  # the upstream's spelling of the names aiohttp's parser re-cased
 
     async def _prepare_headers(self) -> None:
         await super()._prepare_headers()
@@ -131,7 +135,7 @@ class RelayedResponse(web.StreamResponse):
         # (its hook and its checks, as before; its pure-Python serializer refuses such a byte, the C one drops it)
         with contextlib.suppress(UnicodeEncodeError):
             await writer.write_headers(status_line, self.headers)
-        writer._headers_buf, writer._headers_written = response_head(status_line, self.headers), False
+        writer._headers_buf, writer._headers_written = response_head(status_line, self.headers, self.spelled), False
         if self._send_headers_immediately:
             writer.send_headers()
 
@@ -152,7 +156,7 @@ class RelayedResponse(web.StreamResponse):
         headers["Transfer-Encoding"] = "chunked"
         if not keep_alive and "Connection" not in headers:
             headers["Connection"] = "close"
-        return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers)
+        return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers, self.spelled)
 
 
 _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
@@ -376,7 +380,7 @@ class _Exchange:
         count = SendCount()
         try:
             return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count,
-                                        written=self._read_request)
+                                        written=self._read_request, spelled=spelling(self.request.raw_headers))
         finally:
             self.recorder.sent(count.retries)
 
@@ -418,6 +422,7 @@ class _Exchange:
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
                                    headers=end_to_end(upstream.headers, RESPONSE_SKIP))
         response.added = frozenset(name for name in _ADDED_BY_AIOHTTP if name not in upstream.headers)
+        response.spelled = spelling(upstream.raw_headers)
         length = upstream.content_length
         chunked = coding is not None
         if length is not None and not chunked:

@@ -104,6 +104,29 @@ async def test_the_upstreams_own_date_and_server_pass_unchanged(raw: RawUpstream
     assert not any(line.startswith(b"Content-Type") for line in lines)  # none sent, none added
 
 
+@pytest.mark.parametrize("framing", [b"content-length: 2\r\n\r\nok",
+                                     b"transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"],
+                         ids=["a length", "chunked"])
+async def test_field_names_pass_as_they_were_spelled_both_ways(raw: RawUpstream, make_proxy: ProxyFactory,
+                                                               framing: bytes) -> None:
+    """uvicorn (vLLM's server) names its fields lower-case; aiohttp's parser gives the names it knows
+    its own spelling (`content-type` as `Content-Type`, `ETag` as `Etag`): the proxy passes them as
+    they came, in both directions (the framing fields it sets itself are its own)."""
+    raw.answer = b"HTTP/1.1 200 OK\r\ndate: Sat, 05 Dec 2026 01:00:00 GMT\r\nserver: uvicorn\r\n" \
+                 b"content-type: text/event-stream\r\nETag: \"v1\"\r\nx-Custom: 1\r\n" + framing
+    proxy = await make_proxy(raw.url())
+    answer = await exchange(proxy.proxy_url, b"POST /v1/x HTTP/1.1\r\nhost: h\r\ncontent-type: application/json\r\n"
+                            b"user-agent: raw\r\nACCEPT: */*\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+    lines, _ = split(answer)
+    for line in (b"date: Sat, 05 Dec 2026 01:00:00 GMT", b"server: uvicorn", b"content-type: text/event-stream",
+                 b'ETag: "v1"', b"x-Custom: 1"):
+        assert line in lines, (line, lines)
+    sent = head_lines(raw.heads[0])
+    for line in (b"content-type: application/json", b"user-agent: raw", b"ACCEPT: */*"):
+        assert line in sent, (line, sent)
+    assert raw.bodies == [b"{}"]
+
+
 @pytest.mark.parametrize(("framing", "request_version"), [
     (b"Content-Length: 2\r\n\r\nok", b"1.1"), (b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", b"1.1"),
     (b"Content-Length: 2\r\n\r\nok", b"1.0"), (b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", b"1.0"),

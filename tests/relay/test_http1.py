@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.relay.http1 import REQUEST_SKIP, RESPONSE_SKIP, chunk, end_to_end, last_chunk, request_head
+from proxy.relay.http1 import (
+    REQUEST_SKIP,
+    RESPONSE_SKIP,
+    chunk,
+    end_to_end,
+    last_chunk,
+    request_head,
+    response_head,
+    spelling,
+)
 
 
 def test_the_request_head_is_host_first_then_the_clients_fields_in_their_order() -> None:
@@ -43,3 +52,15 @@ def test_chunked_framing() -> None:
     assert chunk(memoryview(b"x" * 26)) == b"1a\r\n" + b"x" * 26 + b"\r\n"
     assert chunk(bytearray(b"\r\n")) == b"2\r\n\r\n\r\n"
     assert last_chunk() == b"0\r\n\r\n"
+
+
+def test_a_spelling_is_kept_only_for_the_names_the_parser_gives_its_own_case() -> None:
+    raw = [(b"content-type", b"a"), (b"ETag", b"b"), (b"X-Custom", b"c"), (b"Content-Length", b"1"),
+           (b"x-request-id", b"d"), (b"CONTENT-TYPE", b"e")]
+    assert spelling(raw) == {"content-type": "content-type", "etag": "ETag", "x-request-id": "x-request-id"}
+    assert spelling([(b"Content-Type", b"a"), (b"X-Custom", b"b")]) == {}  # the usual message: nothing to keep
+    headers = CIMultiDict([("Content-Type", "a"), ("Etag", "b"), ("X-Custom", "c")])
+    assert response_head("HTTP/1.1 200 OK", headers, spelling(raw)) == (
+        b"HTTP/1.1 200 OK\r\ncontent-type: a\r\nETag: b\r\nX-Custom: c\r\n\r\n")
+    assert request_head("GET", "/", "u:1", headers, spelling(raw)).startswith(
+        b"GET / HTTP/1.1\r\nHost: u:1\r\ncontent-type: a\r\nETag: b\r\n")

@@ -31,10 +31,11 @@ from urllib.parse import urlsplit
 from aiohttp.client_exceptions import ClientOSError, ServerDisconnectedError
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
+from aiohttp.typedefs import RawHeaders
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from proxy.relay.http1 import request_head, upstream_target
+from proxy.relay.http1 import NO_SPELLING, Spelling, request_head, upstream_target
 from proxy.relay.request_body import Outgoing
 from proxy.relay.upstream.connection import Connection, InvalidResponse, UpstreamUnreachable
 
@@ -60,11 +61,13 @@ class UpstreamResponse:
     """An answer's status and head, its body as aiohttp's StreamReader (`content`), and the
     connection under it, back to the pool when the body has ended, closed by `close()` before."""
 
-    __slots__ = ("_drop", "_release", "_writer", "content", "done", "headers", "protocol", "reason", "status")
+    __slots__ = ("_drop", "_release", "_writer", "content", "done", "headers", "protocol", "raw_headers", "reason",
+                 "status")
 
     def __init__(self, protocol: Connection, status: int, reason: str, headers: CIMultiDictProxy[str],
                  content: StreamReader, writer: asyncio.Task[None] | None, *,
-                 release: Callable[[Connection], None], drop: Callable[[Connection], None]) -> None:
+                 release: Callable[[Connection], None], drop: Callable[[Connection], None],
+                 raw_headers: RawHeaders = ()) -> None:
         self._release = release  # the pool's, given: the answer never reaches back into its pool
         self._drop = drop
         self._writer = writer
@@ -72,6 +75,7 @@ class UpstreamResponse:
         self.status = status
         self.reason = reason
         self.headers = headers
+        self.raw_headers = raw_headers  # the fields as they came (`headers` names those aiohttp knows its way)
         self.content = content
         self.done = False
         content.on_eof(self._body_ended)
@@ -125,10 +129,11 @@ class UpstreamPool:
 
     # --- sending ------------------------------------------------------------------------------
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Outgoing,
-                   count: SendCount, written: Callable[[], None] = lambda: None) -> UpstreamResponse:
+                   count: SendCount, written: Callable[[], None] = lambda: None,
+                   spelled: Spelling = NO_SPELLING) -> UpstreamResponse:
         """Send one request and return its answer once the head has come; `count` counts each
         send again (see the module's docstring); `written()` is called each time the request was
-        written, before its answer is awaited."""
+        written, before its answer is awaited; `spelled`: the client's spelling of field names."""
         if body is None and method not in _BODILESS and "Content-Length" not in headers \
                 and "Transfer-Encoding" not in headers:
             headers["Content-Length"] = "0"
@@ -137,7 +142,7 @@ class UpstreamPool:
         chunked = body is not None and not isinstance(body, memoryview) and "Content-Length" not in headers
         if chunked:
             headers["Transfer-Encoding"] = "chunked"
-        head = request_head(method, upstream_target(self.prefix, target), self.authority, headers)
+        head = request_head(method, upstream_target(self.prefix, target), self.authority, headers, spelled)
         again = method in SENT_AGAIN and not chunked and (body is None or isinstance(body, memoryview))
         while True:
             protocol, pooled = await self._connection()
@@ -186,7 +191,7 @@ class UpstreamPool:
         if message.should_close:
             protocol.force_close()
         return UpstreamResponse(protocol, message.code, message.reason, message.headers, payload, writer,
-                                release=self.release, drop=self.drop)
+                                release=self.release, drop=self.drop, raw_headers=message.raw_headers)
 
     # --- the pool -----------------------------------------------------------------------------
     async def _connection(self) -> tuple[Connection, bool]:
