@@ -10,8 +10,9 @@ trailer section of a chunked body, which it passes on as it came.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from aiohttp import hdrs
 from multidict import CIMultiDict, CIMultiDictProxy, istr
@@ -90,8 +91,8 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str], skip: frozense
     return out
 
 
-Spelling = dict[str, str]  # a field's name lower-cased -> the name as it came on the wire
-NO_SPELLING: Spelling = {}
+Spelling = Mapping[str, str]  # a field's name lower-cased -> the name as it came on the wire
+NO_SPELLING: Spelling = MappingProxyType({})
 
 
 def spelling(raw: Iterable[tuple[bytes, bytes]]) -> Spelling:
@@ -99,7 +100,7 @@ def spelling(raw: Iterable[tuple[bytes, bytes]]) -> Spelling:
     it names a field it knows in its own spelling (`content-type` comes out `Content-Type`, `ETag`
     `Etag`), and a proxy passes the names on as it got them (uvicorn, vLLM's server, sends them
     lower-case). Empty when every name came as the parser names it, the usual message."""
-    found: Spelling = {}
+    found: dict[str, str] = {}
     for name, _ in raw:
         text = name.decode("utf-8", "surrogateescape")
         if text not in _AS_PARSED and text.lower() in _KNOWN:  # (a name it does not know keeps its case)
