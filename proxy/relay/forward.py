@@ -41,6 +41,7 @@ from proxy.relay.http1 import (
     Spelling,
     end_to_end,
     only_chunked,
+    origin_target,
     request_refusal,
     response_head,
     spelling,
@@ -379,8 +380,10 @@ class _Exchange:
         """
         count = SendCount()
         try:
-            return await self.pool.send(self.request.method, self.request.rel_url.raw_path_qs, headers, body, count,
-                                        written=self._read_request, spelled=spelling(self.request.raw_headers))
+            request = self.request
+            return await self.pool.send(request.method, origin_target(request.raw_path, request.rel_url.raw_path_qs),
+                                        headers, body, count, written=self._read_request,
+                                        spelled=spelling(request.raw_headers))
         finally:
             self.recorder.sent(count.retries)
 

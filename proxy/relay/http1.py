@@ -155,6 +155,16 @@ def last_chunk() -> bytes:
     return b"0\r\n\r\n"
 
 
+def origin_target(raw_target: str, path_qs: str) -> str:
+    """The client's request target in origin form (its path and query, `path_qs` as aiohttp's URL
+    gives it), with the empty query it may have ended with: the URL drops it (`/v1/models?` comes
+    out `/v1/models`), and a proxy passes the target as it came. `raw_target`: the target as written
+    (a fragment there is never sent on)."""
+    if "?" not in path_qs and raw_target.partition("#")[0].endswith("?"):
+        return path_qs + "?"
+    return path_qs
+
+
 def upstream_target(prefix: str, target: str) -> str:
     """The request target the upstream gets: the upstream URL's path before the client's, except the
     asterisk-form of OPTIONS, which names the server itself and stays `*`."""

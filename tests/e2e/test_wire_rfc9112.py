@@ -81,6 +81,16 @@ async def test_options_asterisk_stays_an_asterisk_under_an_upstream_path(raw: Ra
     assert head_lines(raw.heads[1])[0] == b"GET /base/v1/models HTTP/1.1"
 
 
+async def test_a_target_goes_upstream_as_it_came_an_empty_query_included(raw: RawUpstream,
+                                                                          make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(raw.url() + "/base")
+    for target, sent in ((b"/v1/models?", b"/base/v1/models?"), (b"/v1/models??x", b"/base/v1/models??x"),
+                         (b"/a?b=%20c&d", b"/base/a?b=%20c&d"), (b"/a#frag", b"/base/a"), (b"/a?#frag", b"/base/a?"),
+                         (b"/v1//x/../y", b"/base/v1//x/../y"), (b"http://example.com/ok?", b"/base/ok?")):
+        await exchange(proxy.proxy_url, b"GET " + target + b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        assert head_lines(raw.heads[-1])[0] == b"GET " + sent + b" HTTP/1.1", target
+
+
 async def test_the_proxy_adds_exactly_its_two_headers_and_no_date_or_server(raw: RawUpstream,
                                                                            make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy(raw.url())
