@@ -34,17 +34,14 @@ from proxy.relay.admission import AdmissionGate, Refused
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
 from proxy.relay.http1 import (
-    NO_SPELLING,
     REQUEST_SKIP,
     RESPONSE_SKIP,
     Refusal,
-    Spelling,
     end_to_end,
     only_chunked,
     origin_target,
     request_refusal,
     response_head,
-    spelling,
     trailer_section,
 )
 from proxy.relay.in_flight import InFlightTracker, Slot
@@ -116,7 +113,6 @@ class RelayedResponse(web.StreamResponse):
     `Server` (it names aiohttp's version): a proxy passes on what the server said."""
 
     added: frozenset[str] = frozenset()  # the fields aiohttp adds that the upstream did not send
-    spelled: Spelling = NO_SPELLING  # the upstream's spelling of the names aiohttp's parser re-cased
 
     async def _prepare_headers(self) -> None:
         await super()._prepare_headers()
@@ -136,7 +132,7 @@ class RelayedResponse(web.StreamResponse):
         # (its hook and its checks, as before; its pure-Python serializer refuses such a byte, the C one drops it)
         with contextlib.suppress(UnicodeEncodeError):
             await writer.write_headers(status_line, self.headers)
-        writer._headers_buf, writer._headers_written = response_head(status_line, self.headers, self.spelled), False
+        writer._headers_buf, writer._headers_written = response_head(status_line, self.headers), False
         if self._send_headers_immediately:
             writer.send_headers()
 
@@ -157,7 +153,7 @@ class RelayedResponse(web.StreamResponse):
         headers["Transfer-Encoding"] = "chunked"
         if not keep_alive and "Connection" not in headers:
             headers["Connection"] = "close"
-        return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers, self.spelled)
+        return response_head(f"HTTP/1.1 {self.status} {self.reason}", headers)
 
 
 _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
@@ -329,7 +325,7 @@ class _Exchange:
             refused = await self.wait_for_place()
             if refused is not None:
                 return refused
-        headers = end_to_end(self.request.headers, REQUEST_SKIP)
+        headers = end_to_end(self.request.headers, REQUEST_SKIP, self.request.raw_headers)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.
         headers[REQUEST_ID] = recorder.record.request_id
@@ -382,8 +378,7 @@ class _Exchange:
         try:
             request = self.request
             return await self.pool.send(request.method, origin_target(request.raw_path, request.rel_url.raw_path_qs),
-                                        headers, body, count, written=self._read_request,
-                                        spelled=spelling(request.raw_headers))
+                                        headers, body, count, written=self._read_request)
         finally:
             self.recorder.sent(count.retries)
 
@@ -423,9 +418,8 @@ class _Exchange:
             recorder.no_answer("reset", detail, 502)
             return self._answer(502, "upstream_invalid_response", detail)
         response = RelayedResponse(status=upstream.status, reason=upstream.reason,
-                                   headers=end_to_end(upstream.headers, RESPONSE_SKIP))
+                                   headers=end_to_end(upstream.headers, RESPONSE_SKIP, upstream.raw_headers))
         response.added = frozenset(name for name in _ADDED_BY_AIOHTTP if name not in upstream.headers)
-        response.spelled = spelling(upstream.raw_headers)
         length = upstream.content_length
         chunked = coding is not None
         if length is not None and not chunked:

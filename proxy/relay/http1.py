@@ -10,9 +10,8 @@ trailer section of a chunked body, which it passes on as it came.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from aiohttp import hdrs
 from multidict import CIMultiDict, CIMultiDictProxy, istr
@@ -77,10 +76,17 @@ def request_refusal(method: str, version: tuple[int, int], target: str,
     return None
 
 
-def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str], skip: frozenset[str]) -> CIMultiDict[str]:
-    """`headers` less the `skip` fields and those the `Connection` field names (RFC 9110 7.6.1).
-    Copied whole, then pruned: most messages carry none of them."""
-    out = headers.copy()
+def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str], skip: frozenset[str],
+               raw: Iterable[tuple[bytes, bytes]] = ()) -> CIMultiDict[str]:
+    """`headers` less the `skip` fields and those the `Connection` field names (RFC 9110 7.6.1), each
+    name as its sender spelled it (`raw`: the fields as they came; see `spelling`). Copied whole,
+    then pruned: most messages carry none of them. A field the relay sets afterwards is its own,
+    spelled its way."""
+    spelled = spelling(raw)
+    if spelled:
+        out = CIMultiDict((spelled.get(name.lower(), name), value) for name, value in headers.items())
+    else:
+        out = headers.copy()
     connection = headers.get("Connection")
     if connection is not None:
         for token in connection.split(","):
@@ -91,11 +97,7 @@ def end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str], skip: frozense
     return out
 
 
-Spelling = Mapping[str, str]  # a field's name lower-cased -> the name as it came on the wire
-NO_SPELLING: Spelling = MappingProxyType({})
-
-
-def spelling(raw: Iterable[tuple[bytes, bytes]]) -> Spelling:
+def spelling(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     """The names of a message's fields as they came, where aiohttp's parser gave them another case:
     it names a field it knows in its own spelling (`content-type` comes out `Content-Type`, `ETag`
     `Etag`), and a proxy passes the names on as it got them (uvicorn, vLLM's server, sends them
@@ -103,8 +105,10 @@ def spelling(raw: Iterable[tuple[bytes, bytes]]) -> Spelling:
     found: dict[str, str] = {}
     for name, _ in raw:
         text = name.decode("utf-8", "surrogateescape")
-        if text not in _AS_PARSED and text.lower() in _KNOWN:  # (a name it does not know keeps its case)
-            found.setdefault(text.lower(), text)
+        if text not in _AS_PARSED:
+            lower = text.lower()
+            if lower in _KNOWN:  # (a name it does not know keeps its case)
+                found.setdefault(lower, text)
     return found
 
 
@@ -113,36 +117,27 @@ _AS_PARSED = frozenset(str(name) for name in vars(hdrs).values() if isinstance(n
 _KNOWN = frozenset(name.lower() for name in _AS_PARSED)
 
 
-def request_head(method: str, target: str, authority: str, headers: CIMultiDict[str],
-                 spelled: Spelling = NO_SPELLING) -> bytes:
+def request_head(method: str, target: str, authority: str, headers: CIMultiDict[str]) -> bytes:
     """The request line and header block, as they go on the wire: `Host` first, then the rest in
-    the client's order, each name as the client spelled it (`spelled`). Values came through
-    aiohttp's server parser (no CR or LF); bytes that are not UTF-8 pass as they came (surrogateescape)."""
+    the client's order. Values came through aiohttp's server parser (no CR or LF); bytes that are
+    not UTF-8 pass as they came (surrogateescape)."""
     lines = [f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\n"]
-    _fields(lines, headers, spelled)
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append("\r\n")
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def response_head(status_line: str, headers: CIMultiDict[str], spelled: Spelling = NO_SPELLING) -> bytes:
+def response_head(status_line: str, headers: CIMultiDict[str]) -> bytes:
     """The status line and header block of a relayed response, as they go on the wire: the fields in
-    their order, each name as the upstream spelled it (`spelled`), bytes that are not UTF-8 as the
-    upstream sent them (surrogateescape; aiohttp's own serializer drops them). A CR or LF inside a
-    line is refused (ValueError), as aiohttp refuses it."""
+    their order, bytes that are not UTF-8 as the upstream sent them (surrogateescape; aiohttp's own
+    serializer drops them). A CR or LF inside a line is refused (ValueError), as aiohttp refuses it."""
     lines = [f"{status_line}\r\n"]
-    _fields(lines, headers, spelled)
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines.append("\r\n")
     head = "".join(lines)
     if head.count("\n") != len(lines) or head.count("\r") != len(lines):
         raise ValueError("Newline or carriage return character detected in HTTP status/headers")
     return head.encode("utf-8", "surrogateescape")
-
-
-def _fields(lines: list[str], headers: CIMultiDict[str], spelled: Spelling) -> None:
-    """The header block's lines, and the blank line that ends it."""
-    if spelled:
-        lines.extend(f"{spelled.get(name.lower(), name)}: {value}\r\n" for name, value in headers.items())
-    else:
-        lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
-    lines.append("\r\n")
 
 
 def chunk(piece: bytes | bytearray | memoryview) -> bytes:

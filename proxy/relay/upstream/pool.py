@@ -35,7 +35,7 @@ from aiohttp.typedefs import RawHeaders
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from proxy.relay.http1 import NO_SPELLING, Spelling, request_head, upstream_target
+from proxy.relay.http1 import request_head, upstream_target
 from proxy.relay.request_body import Outgoing
 from proxy.relay.upstream.connection import Connection, InvalidResponse, UpstreamUnreachable
 
@@ -129,11 +129,10 @@ class UpstreamPool:
 
     # --- sending ------------------------------------------------------------------------------
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Outgoing,
-                   count: SendCount, written: Callable[[], None] = lambda: None,
-                   spelled: Spelling = NO_SPELLING) -> UpstreamResponse:
+                   count: SendCount, written: Callable[[], None] = lambda: None) -> UpstreamResponse:
         """Send one request and return its answer once the head has come; `count` counts each
         send again (see the module's docstring); `written()` is called each time the request was
-        written, before its answer is awaited; `spelled`: the client's spelling of field names."""
+        written, before its answer is awaited."""
         if body is None and method not in _BODILESS and "Content-Length" not in headers \
                 and "Transfer-Encoding" not in headers:
             headers["Content-Length"] = "0"
@@ -142,7 +141,7 @@ class UpstreamPool:
         chunked = body is not None and not isinstance(body, memoryview) and "Content-Length" not in headers
         if chunked:
             headers["Transfer-Encoding"] = "chunked"
-        head = request_head(method, upstream_target(self.prefix, target), self.authority, headers, spelled)
+        head = request_head(method, upstream_target(self.prefix, target), self.authority, headers)
         again = method in SENT_AGAIN and not chunked and (body is None or isinstance(body, memoryview))
         while True:
             protocol, pooled = await self._connection()
