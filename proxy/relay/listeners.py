@@ -71,6 +71,24 @@ class OwnResponse(web.Response):
         self.headers.popall("Server", None)
 
 
+class RefusalResponse(OwnResponse):
+    """The 400 for a request aiohttp's parser refused, in HTTP/1.1 and saying `Connection: close`.
+    aiohttp answers through a stand-in request of version 1.0 (it could not read the client's), so
+    its answer went out as `HTTP/1.0 400`, to clients that spoke 1.1; a server answers in the
+    highest version it speaks whose major is the client's (RFC 9110 section 6.2), as nginx does."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers["Connection"] = "close"
+
+    async def _write_headers(self) -> None:
+        writer = self._payload_writer
+        assert writer is not None
+        await writer.write_headers(f"HTTP/1.1 {self.status} {self.reason}", self.headers)
+        if self._send_headers_immediately:
+            writer.send_headers()
+
+
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's connection handler, answering a malformed request with a clean JSON 400."""
 
@@ -87,7 +105,7 @@ class GuardedRequestHandler(RequestHandler):
             hook(reason)
         body = orjson.dumps({"error": {"type": "bad_request", "message": f"the request is not valid HTTP "
                                        f"({reason.replace('_', ' ')})", "source": "llm-diag-proxy"}})
-        response = OwnResponse(status=400, body=body, content_type="application/json")
+        response = RefusalResponse(status=400, body=body, content_type="application/json")
         response.force_close()
         return response
 

@@ -114,7 +114,9 @@ async def test_a_refused_header_is_never_echoed_or_logged(upstream: ScriptedUpst
     caplog.set_level(logging.DEBUG, logger="aiohttp")
     answer = await exchange(proxy.proxy_url, b"GET /v1/models HTTP/1.1\r\nHost: p\r\n" + header + b"\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")) and b"application/json" in head
+    # In the client's version, with the close said: aiohttp answers through a stand-in request of version 1.0.
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"\r\nConnection: close" in head
+    assert b"application/json" in head
     assert b"\r\nServer:" not in head and b"aiohttp" not in answer  # (aiohttp's own names its version)
     assert orjson.loads(body)["error"]["type"] == "bad_request"
     assert b"SECRET" not in answer
@@ -130,7 +132,8 @@ async def test_the_admin_listener_refuses_a_request_it_cannot_read_without_namin
     proxy = await make_proxy(upstream.url)
     answer = await exchange(proxy.admin_url, b"GET /healthz HTTP/1.1\r\nHost: p\r\nBad Header\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400")) and orjson.loads(body)["error"]["type"] == "bad_request"
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n") and b"\r\nConnection: close" in head
+    assert orjson.loads(body)["error"]["type"] == "bad_request"
     assert b"\r\nServer:" not in head and b"aiohttp" not in answer
 
 
