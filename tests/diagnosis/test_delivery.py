@@ -1,6 +1,6 @@
-"""Delivery in batches: a finished record is final before it waits, waits at most `batch_s` (or
-until MAX_WAITING wait with it), reaches every observer in the order records finished, and is
-never missing from what is read through `flush()`."""
+"""Delivery in batches: a finished record is final before it waits, waits at most `batch_s` (less
+once FULL_BATCH wait with it; past MAX_WAITING the oldest goes at once), reaches every observer in
+the order records finished, and is never missing from what is read through `flush()`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from proxy.diagnosis import delivery as delivery_module
-from proxy.diagnosis.delivery import MAX_WAITING, Delivery
+from proxy.diagnosis.delivery import FULL_BATCH, MAX_WAITING, Delivery
 from proxy.observers.hooks import Enricher, Observer
 from proxy.record import ResponseRecord, ServerDuring
 
@@ -67,6 +67,26 @@ async def test_flush_delivers_what_waits_at_once_and_only_once() -> None:
     chain.flush()
     await asyncio.sleep(0)
     assert seen.ids == ["a", "b"]
+
+
+async def test_a_full_batch_goes_before_its_time_in_slices_and_the_next_waits_again() -> None:
+    seen = Seen()
+    chain = Delivery([seen], batch_s=10.0)
+    for i in range(FULL_BATCH - 1):
+        chain.response_finished(_record(str(i)))
+    await asyncio.sleep(0.05)
+    assert seen.ids == []  # not full yet: it waits for its time
+    chain.response_finished(_record("full"))
+    assert seen.ids == []  # (not in the finishing exchange's turn: in the loop's next ones)
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(seen.ids) < FULL_BATCH and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0)
+    assert seen.ids == [*map(str, range(FULL_BATCH - 1)), "full"]
+    chain.response_finished(_record("next"))  # a new batch: it waits for its time again
+    await asyncio.sleep(0.05)
+    assert seen.ids[-1] == "full"
+    chain.flush()
+    assert seen.ids[-1] == "next"
 
 
 async def test_past_the_bound_the_oldest_record_goes_at_once() -> None:

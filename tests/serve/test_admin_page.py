@@ -120,6 +120,10 @@ async def test_a_fleets_page_shows_every_instance_and_filters_by_one(
                 async with client.post(proxy.proxy_url + "/v1/chat/completions", json=CHAT,
                                        headers={"X-Request-Id": f"{proxy.config.instance}-{n}"}) as response:
                     await response.read()
+    # The other instance's records are in the shared history once it wrote them: its own page read
+    # would settle them first, the first instance's cannot (they wait for their batch, then its writer).
+    history = second.history
+    assert history is not None and await asyncio.to_thread(history.settle)
     page = await asyncio.to_thread(dom, first.admin_url + "/")
     assert page.count('data-id="') == 5 and "5 records (history)" in page and ">gpu-b:8080</td>" in page
     only = await asyncio.to_thread(dom, first.admin_url + "/#instance=gpu-b%3A8080")
