@@ -8,7 +8,7 @@ write a server's answers end one at a time, a few milliseconds apart, and the ob
 (metrics, the log line, the history's row) run once per record is out of the CPU's caches each
 time; run back to back for a batch, the whole proxy spent 4-11 % less CPU per event (64 streams at
 one event per write, `benchmarks/overhead.py`), and batches of tens of records rather than a few
-7 % less again (`benchmarks/side_by_side.py`). A batch goes when its first record has waited
+about 5 % less again (`benchmarks/side_by_side.py`). A batch goes when its first record has waited
 `batch_s`, or as soon as FULL_BATCH wait, whichever comes first. A batch is delivered in slices of at most
 SLICE_S (and one item), the relay's reads between them: the loop is never held much longer than
 the finishing of one record held it before. The record is final before it waits (enrichers'
