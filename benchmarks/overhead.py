@@ -101,6 +101,11 @@ def stream_events(tokens: int) -> tuple[bytes, list[bytes], bytes]:
 
 EXTRA_EVENTS = 4  # role, finish, usage, [DONE]
 WARM_UP = 1000  # short requests per relay before its fixed cost is measured
+# The proxy makes and observes finished records in batches (at most `DELIVERY_BATCH_S`, 0.5 s): a
+# round's CPU is read this long after its last answer, so that the records it made are counted with
+# it (the relay is otherwise idle then). Read at once, a round would leave out its last batch: up to
+# a tenth of its records' work in the paced rounds.
+SETTLE_S = 0.7
 
 
 class Steps:
@@ -302,6 +307,12 @@ def descendants(pid: int) -> list[int]:
         found.append(current)
         queue.extend(children.get(current, []))
     return found
+
+
+def settled_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` once the relay's work for what it has answered is done (SETTLE_S)."""
+    time.sleep(SETTLE_S)
+    return cpu_seconds(pid)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -533,7 +544,7 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
             for name in relays[round_ % len(relays):] + relays[:round_ % len(relays)]:
                 before = cpu_seconds(setup.processes[name].pid)
                 relayed, samples, streams = asyncio.run(level(setup.urls[name], concurrency, 1, args.tokens, unpaced))
-                used = cpu_seconds(setup.processes[name].pid) - before
+                used = settled_cpu_seconds(setup.processes[name].pid) - before
                 events = streams * EXTRA_EVENTS + concurrency * args.tokens + concurrency  # (the warm-up's 1 token)
                 rates[name].append(relayed)
                 costs[name].append(used / events * 1e6)
@@ -570,7 +581,8 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
                 before, started, ticked = cpu_seconds(pid), time.perf_counter(), cpu_ticks(pid)
                 ttft_samples[name] += asyncio.run(staggered(setup.urls[name], concurrency, 4, args.paced_tokens,
                                                             args.token_interval))
-                used, elapsed = cpu_seconds(pid) - before, time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+                used = settled_cpu_seconds(pid) - before
                 (user, kernel), (user_then, kernel_then) = cpu_ticks(pid), ticked
                 ticks[name][0] += user - user_then
                 ticks[name][1] += kernel - kernel_then
@@ -601,7 +613,7 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
             for name in relays:
                 before = cpu_seconds(setup.processes[name].pid)
                 asyncio.run(short_requests(setup.urls[name], args.requests, 16))
-                costs[name].append((cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6)
+                costs[name].append((settled_cpu_seconds(setup.processes[name].pid) - before) / args.requests * 1e6)
         parts = [f"{name} {statistics.median(c):.0f} us ({min(c):.0f}-{max(c):.0f})" for name, c in costs.items()]
         print(f"# fixed cost: CPU per request, median of {args.fixed_rounds} rounds of {args.requests} 4-token "
               f"streams at 16 in flight after {WARM_UP} unmeasured, the relays' rounds in turn: " + ", ".join(parts))

@@ -68,7 +68,9 @@ def main() -> int:
     parser.add_argument("--b-args", default="", help="extra `serve` arguments for B")
     parser.add_argument("--tokens", type=int, default=50, help="tokens per answer, one per write, 20 ms apart")
     parser.add_argument("--streams", type=int, default=32, help="streams per proxy (64 in all by default)")
-    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per round")
+    # Long enough that the proxy's periodic work (records delivered in batches of up to 0.5 s, the
+    # history's writes every second) falls whole inside a round, give or take one batch of ~40.
+    parser.add_argument("--seconds", type=float, default=20.5, help="measured seconds per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     loadgen = harness_loadgen()
