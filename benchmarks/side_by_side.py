@@ -57,7 +57,7 @@ async def one_round(loadgen: object, ports: tuple[int, int], pids: tuple[int, in
                                      for target in targets))
     return [{"us": window["cpu_proxy"] / max(1, window["tokens"]) * 1e6,
              "ttft_p50": pct(window["ttft"], 50) * 1e3, "ttft_p99": pct(window["ttft"], 99) * 1e3,
-             "bad": window["bad"]} for window in windows]
+             "ttft": window["ttft"], "bad": window["bad"]} for window in windows]
 
 
 def main() -> int:
@@ -111,8 +111,12 @@ def main() -> int:
             mean_a = sum(row[0]["us"] for row in rows) / len(rows)
             mean_b = sum(row[1]["us"] for row in rows) / len(rows)
             ratios = sorted(row[1]["us"] / row[0]["us"] for row in rows)
+            pct = loadgen.pct  # type: ignore[attr-defined]
+            ttfts = [[t for row in rows for t in row[side]["ttft"]] for side in (0, 1)]
             print(f"all rounds: A {mean_a:.1f} us/event, B {mean_b:.1f}, B/A {mean_b / mean_a:.3f} "
-                  f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f})")
+                  f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f}); TTFT p50/p90/p99 of every round's answers: "
+                  + ", ".join(f"{side} {pct(t, 50) * 1e3:.2f}/{pct(t, 90) * 1e3:.2f}/{pct(t, 99) * 1e3:.2f} ms"
+                              for side, t in zip("AB", ttfts, strict=True)))
         finally:
             stop_all(processes[::-1], signal.SIGINT)
     return 0
