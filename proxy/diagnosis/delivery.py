@@ -9,8 +9,8 @@ write a server's answers end one at a time, a few milliseconds apart, and the ob
 time; run back to back for a batch, the whole proxy spent 4-11 % less CPU per event (64 streams at
 one event per write, `benchmarks/overhead.py`), and batches of tens of records rather than a few
 about 5 % less again (`benchmarks/side_by_side.py`). A batch goes when its first record has waited
-`batch_s`, or as soon as FULL_BATCH wait, whichever comes first. A batch is delivered in slices of at most
-SLICE_S (and one item), the relay's reads between them: the loop is never held much longer than
+`batch_s`, or as soon as FULL_BATCH wait, whichever comes first. It is delivered in slices of at
+most SLICE_S (and one item), the relay's reads between them: the loop is never held much longer than
 the finishing of one record held it before. The record is final before it waits (enrichers'
 facts, its text made writable); `flush()` delivers what waits at once, and whatever reads what the
 observers keep (the admin listener, the shutdown) calls it first, so nothing that was answered is
@@ -77,7 +77,8 @@ class Delivery:
         self._batch_s = batch_s
         self._waiting: deque[ResponseRecord | Steps] = deque()  # records, and work making them
         self._timer: asyncio.Handle | None = None
-        self._due = False  # the timer is the batch's wait (not the next slice of a batch under way)
+        self._due = False  # the timer is the batch's wait, not the next slice of a batch under way (cleared
+        # wherever a delivery runs: `_deliver`, which every turn and flush goes through)
         self._making = _Making.NONE
 
     def add(self, observer: Observer) -> None:
@@ -150,7 +151,6 @@ class Delivery:
         """The batch's time has come: a slice of it, then the loop's other work (the relay's reads),
         then the next slice."""
         self._timer = None
-        self._due = False
         self._deliver(time.monotonic() + SLICE_S)
 
     def _deliver(self, until: float | None) -> None:
