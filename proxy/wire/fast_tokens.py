@@ -52,6 +52,7 @@ _PLAIN_SCALAR = re.compile(rb'[^"\\\x00-\x1f]*')  # a string hole's body: no esc
 NOT_PLAIN, EMPTY, VISIBLE, REASONING = -1, 0, 1, 2  # what `PlainTokens.count` says of an event
 EVENTS: dict[int, tuple[Event, ...]] = {EMPTY: (), VISIBLE: (ONE_TOKEN,), REASONING: (ONE_REASONING_TOKEN,)}
 MAX_LEARNED = 64  # shapes learned per response; past it (a shape that never repeats) all is decoded
+SHAPES_PER_KIND = 2  # kept per kind (visible, reasoning): an answer's first token event and the rest
 MAX_CHECKS = 128  # checks a dialect's memory keeps (the oldest goes first), each of at most CHECK_BYTES
 CHECK_BYTES = 2048
 MAX_MEMORIES = 16  # dialects with a memory (the proxy has five; more are each response's own)
@@ -170,7 +171,7 @@ def memory_of(interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tup
 class PlainTokens:
     """The learned shapes of one response, and the test an event's bytes are put to."""
 
-    __slots__ = ("_interpret", "_keys", "_learned", "_memory", "_only", "_reasoning_keys", "shapes")
+    __slots__ = ("_interpret", "_keys", "_learned", "_memory", "_mine", "_only", "_reasoning_keys", "shapes")
 
     def __init__(self, interpret: Interpret, keys: tuple[bytes, ...], reasoning_keys: tuple[bytes, ...],
                  memory: ShapeMemory | None = None) -> None:
@@ -180,23 +181,24 @@ class PlainTokens:
         self._reasoning_keys = reasoning_keys
         self._learned = 0
         self._memory = memory if memory is not None else ShapeMemory()
-        # At most one for visible tokens and one for reasoning: the last response's, to begin with.
+        # At most SHAPES_PER_KIND for visible tokens and as many for reasoning, the latest first:
+        # the last response's, to begin with.
         self.shapes: list[Shape] = list(self._memory.shapes)
-        self._only: tuple[bytes, bytes, int] | None = None  # the one shape, when it has no hole
+        self._mine: list[Shape] = []  # those this response learned: the ones a new shape may merge with
+        self._only: tuple[bytes, bytes, int] | None = None  # the first shape, when it has no hole
         self._found_only()
 
     @property
     def only(self) -> tuple[bytes, bytes, int] | None:
-        """(head, tail, kind) of the one shape when it has no hole (the same tuple until it changes)."""
+        """(head, tail, kind) of the first shape when it has no hole (the same tuple until it changes)."""
         return self._only
 
     def inline(self, prefix: bytes) -> tuple[bytes, bytes, int] | None:
-        """(prefix + head, tail, kind) of the one shape without a hole, for callers that test
-        whole ASCII blocks themselves (a body then needs only the UNSAFE search); else None."""
-        if len(self.shapes) != 1 or self.shapes[0].hole is not None:
-            return None
-        shape = self.shapes[0]
-        return prefix + shape.head_a, shape.tail, shape.count
+        """(prefix + head, tail, kind) of the first shape when it has no hole, for callers that test
+        whole ASCII blocks themselves (a body then needs only the UNSAFE search; what fails it goes to
+        `count`, which tries every shape); else None."""
+        only = self._only
+        return None if only is None else (prefix + only[0], only[1], only[2])
 
     def count(self, data: bytes) -> int:
         """VISIBLE or REASONING for one plain token, EMPTY for an empty one, NOT_PLAIN: decode it."""
@@ -232,16 +234,27 @@ class PlainTokens:
         if _LINE_BREAK.search(head) or _LINE_BREAK.search(tail) or not self._checks(head, tail, event):
             return
         shape = Shape(head, tail, kind)
-        old = next((s for s in self.shapes if s.count == kind), None)
-        if old is not None:
-            self.shapes.remove(old)
-            shape = self._with_hole(old, shape) or shape
-        self.shapes.append(shape)
-        self._memory.shapes = tuple(self.shapes)  # (what the next response starts with)
+        shapes = self.shapes
+        for old in reversed(self._mine):  # one this response learned that differs in one scalar: a hole there
+            if old.count == kind:
+                merged = self._with_hole(old, shape)
+                if merged is not None:
+                    shapes.remove(old)
+                    self._mine.remove(old)
+                    shape = merged
+                    break
+        shapes.insert(0, shape)  # the latest first: an answer's usual event is learned after its first
+        self._mine.append(shape)
+        same = [kept for kept in shapes if kept.count == kind]
+        if len(same) > SHAPES_PER_KIND:  # the oldest of its kind goes
+            shapes.remove(same[-1])
+            if same[-1] in self._mine:
+                self._mine.remove(same[-1])
+        self._memory.shapes = tuple(shapes)  # (what the next response starts with)
         self._found_only()
 
     def _found_only(self) -> None:
-        only = self.shapes[0] if len(self.shapes) == 1 and self.shapes[0].hole is None else None
+        only = self.shapes[0] if self.shapes and self.shapes[0].hole is None else None
         self._only = None if only is None else (only.head_a, only.tail, only.count)
 
     def _decodes_to(self, data: bytes) -> tuple[Event, ...] | None:

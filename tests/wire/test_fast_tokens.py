@@ -308,13 +308,44 @@ def test_a_check_is_decoded_once_for_its_dialect() -> None:
     learns the shape; later responses that learn the same shape take the answer kept."""
     reading = Counting("openai")
     memory = ShapeMemory()
-    role_first = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]})
-    plain = orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "b"}}]})
     for answer in range(3):
+        role_first, plain = openai_pair(f"c{answer}")  # each answer its own id: its shapes learned again
         before = len(reading.decoded)
         reading.take(reading.tokens(memory), (role_first, plain, plain))
-        # Each answer decodes its first two events (each a shape of its own); the checks, once.
-        assert len(reading.decoded) - before == (4 if answer == 0 else 2)
+        # Each answer decodes its first two events (each a shape of its own) and their two checks.
+        assert len(reading.decoded) - before == 4
+    before = len(reading.decoded)
+    reading.take(reading.tokens(memory), openai_pair("c1"))  # an answer again: its checks kept
+    assert len(reading.decoded) - before == 2
+
+
+def openai_pair(answer_id: str) -> tuple[bytes, bytes]:
+    """An OpenAI-style answer's first token event (the role with it) and a later one."""
+    return (orjson.dumps({"id": answer_id, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}),
+            orjson.dumps({"id": answer_id, "choices": [{"index": 0, "delta": {"content": "b"}}]}))
+
+
+def test_an_answers_first_event_and_its_usual_ones_are_both_kept_for_the_next() -> None:
+    """An answer whose first token event also names the role has two shapes; both go to the next
+    answer (one per kind would trade them every answer, learning both again each time). The
+    latest comes first, the one without a hole that the whole-read fast path uses."""
+    reading = Counting("openai")
+    memory = ShapeMemory()
+    role_first, plain = openai_pair("c")
+    reading.take(reading.tokens(memory), (role_first, plain, plain))
+    learned = len(reading.decoded)
+    for _ in range(3):
+        tokens = reading.tokens(memory)
+        assert tokens.only is not None and tokens.only[0].endswith(b'"delta":{"content":"')
+        reading.take(tokens, (role_first, plain, plain, plain))
+    assert len(reading.decoded) == learned
+    # Answers with ids of their own keep the shapes of no answer but their own: no hole across them.
+    for answer in range(4):
+        role_first, plain = openai_pair(f"chatcmpl-{answer}")
+        tokens = reading.tokens(memory)
+        reading.take(tokens, (role_first, plain, plain))
+        assert len(tokens.shapes) == 2 and all(shape.hole is None for shape in tokens.shapes)
+        assert tokens.only is not None and tokens.only[0].startswith(b'{"id":"chatcmpl-%d"' % answer)
 
 
 def test_what_a_memory_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
