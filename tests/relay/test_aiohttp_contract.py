@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -122,6 +123,24 @@ def test_the_request_handler_and_servers_the_listeners_extend() -> None:
     assert not hasattr(web.Server, "__slots__"), explain("Server (now with __slots__: no class swap)", where)
     assert inspect.iscoroutinefunction(web.AppRunner._make_server), explain("AppRunner._make_server", where)
     loop.close()
+
+
+# aiohttp 3.14.5's RequestHandler.start, which GuardedRequestHandler.start copies on Python 3.11.
+REQUEST_HANDLER_START_SHA256 = "2e565fd40c8e04fb3afb481d5ba52691a61d28396573b4b8a4cf3b168782288e"
+
+
+def test_the_connection_loop_the_listener_copies_on_python_3_11() -> None:
+    where = "proxy/relay/listeners.py (GuardedRequestHandler.start, a copy of it with one change)"
+    source = inspect.getsource(RequestHandler.start)
+    assert hashlib.sha256(source.encode()).hexdigest() == REQUEST_HANDLER_START_SHA256, explain(
+        "RequestHandler.start", where)
+    slots = {name for kind in RequestHandler.__mro__ for name in getattr(kind, "__slots__", ())}
+    for name in ("_messages", "_waiter", "_parser", "_buffer_paused", "_msg_queue_resume_size", "_logging_enabled",
+                 "_request_factory", "_request_handler", "_task_handler", "_keepalive", "_lingering_time",
+                 "_keepalive_handle", "_next_keepalive_close_time", "_force_close", "_close", "_keepalive_timeout"):
+        assert name in slots, explain(f"RequestHandler.{name}", where)
+    for name in ("_resume_reading_if_drained", "_make_error_handler", "_handle_request", "_process_keepalive"):
+        assert callable(getattr(RequestHandler, name, None)), explain(f"RequestHandler.{name}", where)
 
 
 async def test_a_started_site_names_its_server() -> None:
