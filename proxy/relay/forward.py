@@ -235,6 +235,11 @@ class Forwarder:
                                headers={"Allow": "GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH"}
                                if refusal.status == 405 else None)
         response.force_close()
+        if refusal.reason == "connect":
+            # A CONNECT's content is a tunnel's bytes, without end: aiohttp's pure-Python parser (no
+            # C extensions) gives it a body that never ends, and aiohttp then lingers on it for its
+            # lingering time (10 s) before the close. Nothing of it is read: it ends here.
+            request.content.feed_eof()
         transport = request.transport
         if request.version < HttpVersion10 and transport is not None:
             # Written here, whole; aiohttp's own write of `response` then meets a closed connection,

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
+import time
 
 import orjson
 import pytest
@@ -50,6 +54,31 @@ async def test_connect_is_refused_and_never_tunnels(raw: RawUpstream, make_proxy
     assert raw.heads == [] and refused_counts(proxy)["connect"] == 1
 
 
+async def test_connect_is_closed_at_once_without_aiohttps_c_parser(raw: RawUpstream) -> None:
+    """aiohttp's pure-Python parser (no C extensions: AIOHTTP_NO_EXTENSIONS=1, or a platform without
+    its wheels) takes a CONNECT's content as a body without end, and aiohttp lingered on it for 10 s
+    after the 405 before it closed: a client could hold connections so. The proxy ends it at once."""
+    env = {**os.environ, "AIOHTTP_NO_EXTENSIONS": "1", "PYTHONUNBUFFERED": "1"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--upstream", raw.url(), "--listen", "127.0.0.1:0",
+        "--admin-listen", "127.0.0.1:0", "--history", "off", "--gpu-poll-interval", "0", "--upstream-metrics", "off",
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            while b'"listening"' not in (line := await process.stdout.readline()):
+                assert line, "serve exited before listening"
+        started = time.monotonic()
+        answer = await exchange(orjson.loads(line)["proxy"],
+                                b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        assert time.monotonic() - started < 3
+        assert answer.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n") and b"Connection: close" in answer
+        assert raw.heads == []
+    finally:
+        process.terminate()
+        await process.wait()
+
+
 async def test_a_request_line_without_a_version_is_refused_in_http_1_1(raw: RawUpstream,
                                                                        make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy(raw.url())
@@ -57,7 +86,8 @@ async def test_a_request_line_without_a_version_is_refused_in_http_1_1(raw: RawU
     lines, body = split(answer)
     assert lines[0] == b"HTTP/1.1 400 Bad Request", answer[:80]
     assert b"Connection: close" in lines and orjson.loads(body)["error"]["type"] == "bad_request"
-    assert raw.heads == [] and refused_counts(proxy)["http_0_9"] == 1
+    # (aiohttp's pure-Python parser refuses the line itself: the same answer, counted as a bad request line)
+    assert raw.heads == [] and refused_counts(proxy) in ({"http_0_9": 1}, {"bad_request_line": 1})
 
 
 async def test_a_request_with_a_transfer_coding_other_than_chunked_is_501_or_400(
