@@ -11,8 +11,10 @@ one token without decoding: the same JSON with another string, which the dialect
 being empty or not.
 
 Some servers change one scalar before the token in every event (Ollama's `created_at`, the
-Responses API's `sequence_number`). When two learned shapes differ in exactly one such scalar,
-the shape keeps a hole there, checked the same way (another value must decode alike).
+Responses API's `sequence_number`). When two shapes one response learned differ in exactly one such
+scalar, the shape keeps a hole there, checked the same way (another value must decode alike). Up
+to SHAPES_PER_KIND are kept per kind, the latest first: an OpenAI-style answer names the role in
+its first token's event only, so it has two.
 
 A learned shape holds no CR or LF, and a plain body or hole holds no control byte, so an event the
 shapes count is one line: a parser may take a read of one such event whole without splitting it.
