@@ -59,7 +59,7 @@ class _Making(Enum):
 class Delivery:
     """Hands records on: to the enrichers, then to the observers, each in its order."""
 
-    __slots__ = ("_batch_s", "_due", "_enrichers", "_finishes", "_lost", "_making", "_starts", "_timer", "_waiting",
+    __slots__ = ("_batch_s", "_enrichers", "_finishes", "_lost", "_making", "_starts", "_timer", "_waiting",
                  "compact")
 
     def __init__(self, observers: Iterable[Observer] = (), enrichers: Iterable[Enricher] = (), *,
@@ -77,8 +77,6 @@ class Delivery:
         self._batch_s = batch_s
         self._waiting: deque[ResponseRecord | Steps] = deque()  # records, and work making them
         self._timer: asyncio.Handle | None = None
-        self._due = False  # the timer is the batch's wait, not the next slice of a batch under way (cleared
-        # wherever a delivery runs: `_deliver`, which every turn and flush goes through)
         self._making = _Making.NONE
 
     def add(self, observer: Observer) -> None:
@@ -135,11 +133,10 @@ class Delivery:
             except RuntimeError:  # no loop runs (a tool's own use): nothing would deliver it later
                 self.flush()
                 return
-            self._due = True
-        elif self._due and len(waiting) >= FULL_BATCH:  # a full batch: it goes now, in its slices
+        elif len(waiting) == FULL_BATCH:  # a full batch: it goes now, in its slices (a waiting record comes
+            # in here one at a time; were a batch's slices already under way, its next one is only moved)
             self._timer.cancel()
             self._timer = asyncio.get_running_loop().call_soon(self._turn)
-            self._due = False
         while len(waiting) > MAX_WAITING:  # more finish than the turns deliver: the oldest goes now, whole
             self._whole(waiting.popleft())
 
@@ -162,7 +159,6 @@ class Delivery:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._due = False
         if waiting:
             self._timer = asyncio.get_running_loop().call_soon(self._turn)
 
