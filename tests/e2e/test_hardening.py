@@ -103,13 +103,14 @@ def test_a_bad_upstream_url_error_never_shows_its_password() -> None:
 
 # --- 2. requests the HTTP parser refuses ----------------------------------------------------------
 
-@pytest.mark.parametrize(("header", "reason"), [
-    (b"Cookie: session=" + b"c" * 9000 + b"SECRETCOOKIE", "line_too_long"),
-    (b"Authorization: Bearer SECRET\x01TOKEN", "bad_message"),
+@pytest.mark.parametrize(("header", "reasons"), [
+    (b"Cookie: session=" + b"c" * 9000 + b"SECRETCOOKIE", {"line_too_long"}),
+    # aiohttp's C parser calls it a bad message, its pure-Python one (AIOHTTP_NO_EXTENSIONS=1) a bad header
+    (b"Authorization: Bearer SECRET\x01TOKEN", {"bad_message", "bad_header"}),
 ], ids=["a 9 KB cookie", "a control byte in a token"])
 async def test_a_refused_header_is_never_echoed_or_logged(upstream: ScriptedUpstream, make_proxy: ProxyFactory,
                                                           caplog: pytest.LogCaptureFixture, header: bytes,
-                                                          reason: str) -> None:
+                                                          reasons: set[str]) -> None:
     proxy = await make_proxy(upstream.url)
     caplog.set_level(logging.DEBUG, logger="aiohttp")
     answer = await exchange(proxy.proxy_url, b"GET /v1/models HTTP/1.1\r\nHost: p\r\n" + header + b"\r\n\r\n")
@@ -124,7 +125,9 @@ async def test_a_refused_header_is_never_echoed_or_logged(upstream: ScriptedUpst
     assert logged and not any("SECRET" in line for line in logged) and all("\n" not in line for line in logged)
     assert all(r.exc_info is None for r in caplog.records)
     assert upstream.seen == []
-    assert proxy.metrics.registry.get_sample_value("llm_proxy_invalid_requests_total", {"reason": reason}) == 1
+    counted = {reason: proxy.metrics.registry.get_sample_value("llm_proxy_invalid_requests_total", {"reason": reason})
+               for reason in reasons}
+    assert sorted(value for value in counted.values() if value) == [1]  # counted once, under one bounded name
 
 
 async def test_the_admin_listener_refuses_a_request_it_cannot_read_without_naming_aiohttp(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Script:
 class Seen:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]  # as the upstream's parser read them: found whatever the spelling
     body: bytes
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -64,7 +65,7 @@ class ScriptedUpstream:
             await self.server.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        seen = Seen(request.method, request.path_qs, dict(request.headers), await request.read())
+        seen = Seen(request.method, request.path_qs, CIMultiDict(request.headers), await request.read())
         self.seen.append(seen)
         index = next((i for i, s in enumerate(self.scripts) if s.method in (None, request.method)), None)
         script = self.scripts.pop(index) if index is not None else self.default
