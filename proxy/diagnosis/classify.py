@@ -163,7 +163,9 @@ def classify(facts: WireFacts) -> Diagnosis:
         return Diagnosis("deadline")
     if facts.enforced == "idle":
         return Diagnosis("idle_timeout")
-    if facts.client_disconnected:
+    if facts.client_disconnected and facts.error is None:
+        # (A server's error event the client was sent before it left ended the answer: a client that
+        # leaves on it, as the official ones do when they raise, left because of it.)
         return Diagnosis("client_disconnect")
     status = facts.status or 0
     error = facts.error

@@ -77,6 +77,8 @@ PRECEDENCE = [
     (dict(enforced="total", client_disconnected=True), "deadline"),
     (dict(enforced="idle", client_disconnected=True), "idle_timeout"),
     (dict(client_disconnected=True, status=429), "client_disconnect"),
+    # the server's error event came before the client left (the openai client raises on it and closes)
+    (dict(client_disconnected=True, error=ErrorEvent("Context size has been exceeded.")), "upstream_error"),
     (dict(status=429), "rejected"),
     (dict(status=503), "rejected"),
     (dict(status=529), "rejected"),
