@@ -10,18 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from types import TracebackType
 from typing import Literal
 
 Kind = Literal["total", "idle"]
 Fired = Literal["total", "idle", "shutdown"]
 
+# loop.time() - time.monotonic(), per loop: the largest seen. A loop's time can be the turn's rather
+# than the moment's (uvloop's, to the millisecond), so one reading can be behind by as long as the
+# turn has run, and a timeout set by it would fire that much early; the largest reading is the
+# least behind.
+_offsets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, float] = weakref.WeakKeyDictionary()
+
+
+def _loop_offset(loop: asyncio.AbstractEventLoop) -> float:
+    seen = loop.time() - time.monotonic()
+    best = _offsets.get(loop)
+    if best is None or seen > best:
+        _offsets[loop] = best = seen
+    return best
+
 
 class Deadlines:
     """`guard()` around the reads; `arm(since)` before each read, `disarm()` after it."""
 
-    __slots__ = ("_guarded", "_offset", "_timeout", "deadline_at", "deadline_s", "enforce", "fired", "idle_s",
-                 "started")
+    __slots__ = ("_armed", "_guarded", "_offset", "_timeout", "deadline_at", "deadline_s", "enforce", "fired",
+                 "idle_s", "started")
 
     def __init__(self, started: float, deadline_s: float, idle_s: float, enforce: bool) -> None:
         self.started = started
@@ -31,6 +46,7 @@ class Deadlines:
         self.deadline_at = started + deadline_s if deadline_s else None
         self.fired: Fired | None = None
         self._timeout: asyncio.Timeout | None = None
+        self._armed: Kind = "total"  # the limit the timeout is set for: what fired when it fires
         self._guarded: asyncio.Task[object] | None = None  # the task in a guard without a timeout
         self._offset = 0.0  # asyncio timeouts run on loop.time(); our stamps are time.monotonic()
 
@@ -60,16 +76,19 @@ class Deadlines:
         if timeout is None or not self.enforce or self.fired is not None:
             return
         when = self.deadline_at
+        self._armed = "total"
         if self.idle_s is not None:
             idle_at = since + self.idle_s
             if when is None or idle_at < when:
                 when = idle_at
+                self._armed = "idle"
         timeout.reschedule(self._at(when))
 
     def disarm(self) -> None:
         """After a read: only the total deadline runs while the chunk goes to the client."""
         timeout = self._timeout
         if timeout is not None and self.enforce and self.idle_s is not None and self.fired is None:
+            self._armed = "total"
             timeout.reschedule(self._at(self.deadline_at))
 
     def passed(self, ended: float, longest_gap: float) -> Kind | None:
@@ -117,8 +136,9 @@ class _Guard:
             self._task = deadlines._guarded = task
             self._cancelling = task.cancelling()
             return
-        deadlines._offset = asyncio.get_running_loop().time() - time.monotonic()
+        deadlines._offset = _loop_offset(asyncio.get_running_loop())
         timeout = asyncio.timeout_at(deadlines._at(deadlines.deadline_at))
+        deadlines._armed = "total"
         self._timeout = deadlines._timeout = timeout
         await timeout.__aenter__()
 
@@ -136,8 +156,10 @@ class _Guard:
             await timeout.__aexit__(kind, error, traceback)
         except TimeoutError:
             if deadlines.fired is None:
-                passed = deadlines.deadline_at is not None and time.monotonic() >= deadlines.deadline_at - 1e-3
-                deadlines.fired = "total" if passed else "idle"
+                # The limit it was set for, not a reading of the clock: the loop's time (uvloop's is
+                # the turn's, to the millisecond) can fire a timeout before time.monotonic() says
+                # the deadline has come.
+                deadlines.fired = deadlines._armed
             raise
         finally:
             deadlines._timeout = None

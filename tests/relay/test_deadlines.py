@@ -68,3 +68,41 @@ async def test_a_shutdown_beside_a_cancellation_from_elsewhere_leaves_the_cancel
     deadlines.shutdown()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+class _LaggingLoopTime:
+    """A loop whose time is its turn's, as uvloop's is (its clock is read once per turn): read late
+    in a long turn, it lags the moment. The first reading here lags by `lag_s`, the rest not."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lag_s: float) -> None:
+        self.lag_s, self.real = lag_s, loop.time
+
+    def __call__(self) -> float:
+        lag, self.lag_s = self.lag_s, 0.0
+        return self.real() - lag
+
+
+@pytest.mark.parametrize("idle_s", [0.0, 5.0])
+async def test_a_deadline_fired_by_a_lagging_loop_clock_is_still_the_total_deadline(
+        idle_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by a load test: the timeout fired a little before time.monotonic() reached the
+    # deadline, the guard then named it an idle timeout (with none set), and the message of the
+    # visible end failed on an idle timeout of None: the client was left waiting.
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(time.monotonic(), 0.05, idle_s, True)
+    with pytest.raises(TimeoutError):
+        monkeypatch.setattr(loop, "time", _LaggingLoopTime(loop, 0.02))
+        async with deadlines.guard():
+            deadlines.arm(time.monotonic())
+            await asyncio.sleep(5)
+    assert deadlines.fired == "total"
+    assert deadlines.message() == "response exceeded the 0.05 s deadline"
+
+
+async def test_an_idle_timeout_fired_is_named_idle_whatever_the_clocks_say() -> None:
+    deadlines = Deadlines(time.monotonic(), 60.0, 0.05, True)
+    with pytest.raises(TimeoutError):
+        async with deadlines.guard():
+            deadlines.arm(time.monotonic())
+            await asyncio.sleep(5)
+    assert deadlines.fired == "idle" and "idle timeout" in deadlines.message()
