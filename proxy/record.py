@@ -20,6 +20,7 @@ StopReason = Literal[
     "deadline",
     "idle_timeout",
     "proxy_shutdown",
+    "proxy_error",
     "upstream_error",
     "rejected",
     "not_generated",
@@ -45,7 +46,7 @@ OUTCOMES: tuple[str, ...] = Outcome.__args__  # type: ignore[attr-defined]
 # cause and an upstream error by its kind. The `cause` label of the request metrics.
 CUT_CAUSES: tuple[str, ...] = (
     "server_limit", "content_filter", "repetition", "upstream_disconnect", "interrupted", "deadline",
-    "idle_timeout", "proxy_shutdown", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
+    "idle_timeout", "proxy_shutdown", "proxy_error", "rejected", "http_5xx", "connect", "timeout", "reset", "oom",
     "error_event", "abort", "context_exhausted", "exceeds_context", "not_generated", "answer_incomplete",
     "model_unloaded", "undelivered")
 # Ends that a model leaving while the answer ran explains: the answer stopped with no word of why.

@@ -2,9 +2,9 @@
 
 Nothing here guesses, and nothing here knows a dialect: each dialect has already read its own
 finish value into a canonical one (`events.Finish.stop`). Precedence, first match wins:
-connect failure > the proxy's shutdown > enforced deadline/idle timeout > client gone > 429/503/529 > other HTTP error
-> error event > upstream reset > the server's own finish reason > a stream ended without one
-(interrupted) > a body without one > stream cut with no final event.
+the proxy's own failure > connect failure > the proxy's shutdown > enforced deadline/idle timeout
+> client gone > 429/503/529 > other HTTP error > error event > upstream reset > the server's own finish
+reason > a stream ended without one (interrupted) > a body without one > stream cut with no final event.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class WireFacts:
     client_disconnected: bool = False
     enforced: str = "none"  # none | total | idle
     proxy_shutdown: bool = False  # the proxy itself ended the exchange as it shut down
+    proxy_failed: bool = False  # the proxy's own code failed on the exchange, which it then ended
     finish: Finish | None = None
     error: ErrorEvent | None = None
     done: bool = False
@@ -154,6 +155,8 @@ def length_cause_with_source(output_tokens: int | None, requested: int | None, n
 
 
 def classify(facts: WireFacts) -> Diagnosis:
+    if facts.proxy_failed:  # whatever else was seen, what the client got ended there
+        return Diagnosis("proxy_error")
     if facts.connect_error is not None:
         return Diagnosis("upstream_error", upstream_error=facts.connect_error,
                          upstream_error_detail=facts.error_detail)

@@ -120,6 +120,7 @@ class Recorder:
         "_info",
         "_limits",
         "_not_admitted",
+        "_proxy_failed",
         "_request_body",
         "_reset",
         "_shutdown",
@@ -145,6 +146,7 @@ class Recorder:
         self._enforced: DeadlineKind = "none"
         self._deadline_observed: DeadlineKind = "none"
         self._shutdown = False
+        self._proxy_failed: str | None = None
         self._ended_at: float | None = None
 
     @classmethod
@@ -275,6 +277,13 @@ class Recorder:
         if status is not None:
             self.record.status = status
 
+    def proxy_failed(self, detail: str, status: int | None = None) -> None:
+        """The proxy's own code failed on the exchange, which was then ended (`status`: its own
+        answer, before any head). `detail` names the failure, never what the exchange carried."""
+        self._proxy_failed = detail
+        if status is not None:
+            self.record.status = status
+
     def deadline_observed(self, kind: DeadlineHit) -> None:
         """A deadline passed but was not enforced (observe mode)."""
         self._deadline_observed = kind
@@ -342,7 +351,8 @@ class Recorder:
         diagnosis = classify(WireFacts(
             inference=self.inference, status=record.status, connect_error=self._connect_error,
             error_detail=self._error_detail, upstream_reset=self._reset, client_disconnected=self._client_left,
-            enforced=self._enforced, proxy_shutdown=self._shutdown, finish=tally.finish, error=tally.error,
+            enforced=self._enforced, proxy_shutdown=self._shutdown, proxy_failed=self._proxy_failed is not None,
+            finish=tally.finish, error=tally.error,
             done=tally.done,
             parse_failed=record.parse_error, output_tokens=record.output_tokens,
             tokens_exact=record.tokens_source != "counted", requested_max_tokens=record.requested_max_tokens,
@@ -355,6 +365,8 @@ class Recorder:
         record.length_cause_source = diagnosis.length_cause_source
         record.upstream_error = diagnosis.upstream_error
         record.upstream_error_detail = diagnosis.upstream_error_detail
+        if self._proxy_failed is not None:
+            record.stop_detail = self._proxy_failed
         if self._not_admitted is not None:  # the proxy's own refusal, not the server's
             record.stop_reason, record.stop_detail = "rejected", self._not_admitted
             record.upstream_error = record.upstream_error_detail = None

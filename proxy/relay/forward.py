@@ -159,6 +159,16 @@ class RelayedResponse(web.StreamResponse):
 _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
 
 
+def _raised_at(error: BaseException) -> str:
+    """Where `error` was raised: the innermost frame's file and line."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None:
+        return "unknown"
+    return f"{frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
+
+
 class Forwarder:
     """The aiohttp handler of the proxy port."""
 
@@ -217,6 +227,8 @@ class Forwarder:
         self.active.add(deadlines)
         try:
             return await exchange.forward()
+        except Exception as exc:  # (a cancellation, the client gone, is not the proxy's failure)
+            return exchange.failed(exc)
         finally:
             self.active.discard(deadlines)
             exchange.release()
@@ -274,6 +286,7 @@ class _Exchange:
         self.entered = False  # it has its place there (to give back when it ends)
         self.slot: Slot | None = None
         self.at_start = 0
+        self.response: web.StreamResponse | None = None  # the relayed answer, once its head is on its way
 
     # --- admission ----------------------------------------------------------------------------
     def admit(self) -> None:
@@ -437,6 +450,7 @@ class _Exchange:
         recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
         request, writer = self.request, self.request.writer
         head = b""
+        self.response = response  # (from here aiohttp's writer is the answer's: no other can follow)
         try:
             if upstream.protocol.raw_body and request.version == HttpVersion11 and isinstance(writer, StreamWriter):
                 if self._client_connection_lost():  # (what aiohttp's writer raises)
@@ -547,6 +561,24 @@ class _Exchange:
         transport = self.request.transport
         if transport is not None:
             transport.close()
+
+    def failed(self, error: Exception) -> web.StreamResponse:
+        """The proxy's own code failed on this exchange. The client is never left waiting on it: a
+        502 before the answer's head, after it a broken connection (as from an upstream that
+        broke; aiohttp's own 500 would land inside the relayed body). Said once in the log and on
+        the record (`proxy_error`), by the error's type and where it was raised: never its text,
+        which can hold what the exchange carried."""
+        where = _raised_at(error)
+        detail = f"the proxy failed on this exchange ({type(error).__name__} at {where}) and ended it"
+        _log.error("exchange_failed", request_id=self.recorder.record.request_id, error=type(error).__name__,
+                   at=where)
+        response = self.response
+        if response is None:
+            self.recorder.proxy_failed(detail, status=502)
+            return self._answer(502, "proxy_error", detail)
+        self.recorder.proxy_failed(detail)
+        self._break_client_connection(response)
+        return response
 
     # --- the record ---------------------------------------------------------------------------
     def _notify_start(self) -> None:

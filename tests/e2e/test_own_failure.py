@@ -1,0 +1,101 @@
+"""The proxy's own code failing on one exchange (a bug of ours, not the upstream's or the client's):
+the client is never left waiting on it, the record says `proxy_error` with where it failed, one log
+line says so without what the exchange carried, and the next request is served as ever.
+
+Found by a load test of enforced deadlines: a failure after the answer's head went out let aiohttp
+write its 500 into the middle of the relayed chunked body, and the client waited for an end that
+never came."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+from structlog.testing import capture_logs
+
+from proxy.relay import forward
+from proxy.relay.body_pump import BodyPump
+from tests.support.proxies import ProxyFactory, record_for
+from tests.support.scripted_upstream import Script, ScriptedUpstream
+from tests.support.wire import openai_stream
+
+CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "a secret prompt"}]}
+pytestmark = pytest.mark.timeout(60)
+
+
+class _FailingPump(BodyPump):
+    """A pump that sends the answer's head, then fails as a bug of ours would."""
+
+    def start(self) -> None:
+        super().start()
+        raise KeyError("what the exchange carried")
+
+
+async def _post(url: str, request_id: str) -> tuple[int, bytes, str | None]:
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.post(
+            url + "/v1/chat/completions", json=CHAT, headers={"X-Request-Id": request_id}) as response:
+        try:
+            return response.status, await response.read(), None
+        except aiohttp.ClientPayloadError as exc:
+            return response.status, b"", type(exc).__name__
+
+
+async def test_a_failure_after_the_head_breaks_the_connection_and_is_recorded(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    upstream.default = Script(chunks=openai_stream(5), delay=0.01)
+    proxy = await make_proxy(upstream.url)
+    monkeypatch.setattr(forward, "BodyPump", _FailingPump)
+    with capture_logs() as logs:
+        status, _, broke = await asyncio.wait_for(_post(proxy.proxy_url, "ours-after"), 10)
+    assert status == 200 and broke == "ClientPayloadError"  # never a clean end, never a wait
+    record = await record_for(proxy, "ours-after")
+    assert record.stop_reason == "proxy_error" and record.cause == "proxy_error" and record.outcome == "cut"
+    assert record.stop_detail is not None and "KeyError at test_own_failure.py:" in record.stop_detail
+    failed = [line for line in logs if line["event"] == "exchange_failed"]
+    assert len(failed) == 1 and failed[0]["error"] == "KeyError" and failed[0]["request_id"] == "ours-after"
+    assert "what the exchange carried" not in repr(logs) and "secret" not in repr(logs)
+    monkeypatch.undo()  # the next request, through the same proxy, as ever
+    status, body, broke = await _post(proxy.proxy_url, "after-it")
+    assert status == 200 and broke is None and body == b"".join(openai_stream(5))
+    assert (await record_for(proxy, "after-it")).stop_reason == "eos"
+
+
+async def test_a_failure_before_the_request_went_upstream_is_a_json_502(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    upstream.default = Script(chunks=openai_stream(3))
+    proxy = await make_proxy(upstream.url)
+
+    def failing(*args: object, **kwargs: object) -> str:
+        raise ValueError("what the exchange carried")
+
+    monkeypatch.setattr(forward, "origin_target", failing)
+    with capture_logs() as logs:
+        status, body, broke = await asyncio.wait_for(_post(proxy.proxy_url, "ours-before"), 10)
+    assert status == 502 and broke is None
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "proxy_error" and "ValueError" in error["message"]
+    assert "what the exchange carried" not in body.decode()
+    record = await record_for(proxy, "ours-before")
+    assert record.stop_reason == "proxy_error" and record.status == 502
+    assert [line["error"] for line in logs if line["event"] == "exchange_failed"] == ["ValueError"]
+    assert not upstream.seen  # it never went
+
+
+async def test_a_failure_while_the_head_is_made_ends_the_connection(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past this point aiohttp's writer belongs to the relayed answer: no answer of the proxy's own
+    # can follow it cleanly, so the connection ends (the client is told at once, and not a 200).
+    upstream.default = Script(chunks=openai_stream(3))
+    proxy = await make_proxy(upstream.url)
+
+    def failing_head(*args: object, **kwargs: object) -> bytes:
+        raise ValueError("what the exchange carried")
+
+    monkeypatch.setattr(forward, "response_head", failing_head)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await asyncio.wait_for(_post(proxy.proxy_url, "ours-head"), 10)
+    record = await record_for(proxy, "ours-head")
+    assert record.stop_reason == "proxy_error" and record.outcome == "cut"
