@@ -368,7 +368,7 @@ class WorkerSupervisor:
         self._gate.forget(worker.owner)  # its tokenizer calls in flight end with it
         ledger = Ledger(self._shared.ledger, worker.owner)  # (read now: a restart starts it anew)
         lost = ledger.lost(history=self.config.history_path is not None)
-        self._spawn_task(self._account(worker, process.exitcode, in_flight, held, lost, ledger[OPEN],
+        self._spawn_task(self._account(worker, process, in_flight, held, lost, ledger[OPEN],
                                        ledger[DELIVERED]))
         if self.stopping:
             return
@@ -386,13 +386,14 @@ class WorkerSupervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _account(self, worker: Worker, exit_code: int | None, in_flight: int, held: int, lost: int,
+    async def _account(self, worker: Worker, process: Any, in_flight: int, held: int, lost: int,
                        open_exchanges: int, delivered: int) -> None:
         """Once its link has given up what it held (its last snapshot): its counts kept in the sum,
         and the records it took with it counted and said once."""
         if worker.link is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(worker.link.closed.wait(), LINK_WAIT_S)
+        exit_code = await _exit_code(process)
         last = worker.snapshot
         uncounted = max(0, delivered - (last.delivered if last is not None else 0))
         if last is not None:
@@ -441,6 +442,19 @@ class WorkerSupervisor:
             worker.process.join(1.0)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _exit_code(process: Any, wait_s: float = 2.0) -> int | None:
+    """The exit code of a worker whose sentinel said it ended. The sentinel can say so a moment
+    before the process can be reaped (a process closes its files before it is a zombie): without
+    this wait a worker that stopped as asked read as one that died, with no exit code."""
+    deadline = time.monotonic() + wait_s
+    process.join(0)
+    while process.exitcode is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        process.join(0)
+    code: int | None = process.exitcode
+    return code
 
 
 class WorkerRecords:
