@@ -157,7 +157,8 @@ async def test_a_bug_with_one_record_costs_that_record_only() -> None:
         queue.put(*pending(i))
     await until(lambda: len(delivered) == 2)
     await queue.close()
-    assert [r.request_id for r in delivered] == ["r1", "r2"] and lost == [1]
+    # (Calls run side by side, IN_FLIGHT at a time: the two left may end in either order.)
+    assert sorted(r.request_id for r in delivered) == ["r1", "r2"] and lost == [1]
 
 
 def test_the_gate_holds_one_call_at_first_and_gives_back_a_dead_workers_calls() -> None:
