@@ -63,8 +63,10 @@ class Deadlines:
         """The proxy is stopping: end the guarded wait now (or the next one, at its start)."""
         if self.fired == "shutdown":
             return
-        self.fired = "shutdown"
         timeout = self._timeout
+        if timeout is not None and timeout.expired():
+            return  # a limit has fired: the wait ends with it, named as what it was
+        self.fired = "shutdown"
         if timeout is not None:
             timeout.reschedule(asyncio.get_running_loop().time())
         elif self._guarded is not None:
@@ -73,7 +75,9 @@ class Deadlines:
     def arm(self, since: float) -> None:
         """Before a read: the earlier of the total deadline and `since` + the idle timeout."""
         timeout = self._timeout
-        if timeout is None or not self.enforce or self.fired is not None:
+        # (Fired and not yet taken by the guarded task, a timeout refuses to be moved: a read in
+        # the same turn of the loop must leave it be.)
+        if timeout is None or not self.enforce or self.fired is not None or timeout.expired():
             return
         when = self.deadline_at
         self._armed = "total"
@@ -87,7 +91,8 @@ class Deadlines:
     def disarm(self) -> None:
         """After a read: only the total deadline runs while the chunk goes to the client."""
         timeout = self._timeout
-        if timeout is not None and self.enforce and self.idle_s is not None and self.fired is None:
+        if (timeout is not None and self.enforce and self.idle_s is not None and self.fired is None
+                and not timeout.expired()):
             self._armed = "total"
             timeout.reschedule(self._at(self.deadline_at))
 

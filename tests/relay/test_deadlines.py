@@ -106,3 +106,33 @@ async def test_an_idle_timeout_fired_is_named_idle_whatever_the_clocks_say() -> 
             deadlines.arm(time.monotonic())
             await asyncio.sleep(5)
     assert deadlines.fired == "idle" and "idle timeout" in deadlines.message()
+
+
+@pytest.mark.parametrize("poke", ["arm", "disarm", "shutdown"])
+async def test_a_read_in_the_turn_the_timeout_fires_leaves_it_be(poke: str) -> None:
+    # Found by a load test: a read came in the turn of the loop where the idle timeout fired, before
+    # the guarded task took it; re-arming raised in the connection's read callback ("Cannot change
+    # state of expiring Timeout"), and asyncio killed the upstream connection with a fatal error.
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(time.monotonic(), 60.0, 0.05, True)
+    errors: list[BaseException] = []
+
+    def in_the_same_turn() -> None:
+        try:
+            if poke == "arm":
+                deadlines.arm(time.monotonic())
+            elif poke == "disarm":
+                deadlines.disarm()
+            else:
+                deadlines.shutdown()
+        except Exception as exc:  # (raised in a callback, it would reach only the loop's handler)
+            errors.append(exc)
+
+    with pytest.raises(TimeoutError):
+        async with deadlines.guard():
+            deadlines.arm(time.monotonic())
+            timeout = deadlines._timeout
+            assert timeout is not None and timeout.when() is not None
+            loop.call_at(timeout.when(), in_the_same_turn)  # (after the timeout's own callback)
+            await asyncio.sleep(5)
+    assert errors == [] and deadlines.fired == "idle"
