@@ -144,13 +144,16 @@ async def stream_or_break(url: str, request_id: str) -> tuple[int, bytes, bool]:
 
 async def test_a_killed_worker_gives_back_its_in_flight_share_and_budget_and_its_records_are_counted(
         served: Served) -> None:
-    answers = asyncio.gather(*(stream_or_break(served.proxy_url, f"k{i}") for i in range(8)))
+    # 16 connections, spread over the workers by the kernel's hash: none on the killed one is one
+    # time in 65,536 (with 8 it was one in 256, and all 8 on it as often: a flake, not a finding).
+    answers = asyncio.gather(*(stream_or_break(served.proxy_url, f"k{i}") for i in range(16)))
     await asyncio.sleep(0.4)
-    assert await metric(served.admin_url, "llm_proxy_in_flight") == 8
+    assert await metric(served.admin_url, "llm_proxy_in_flight") == 16
     os.kill(served.children()[0], signal.SIGKILL)
     results = await answers
     broken = sum(1 for _, _, broke in results if broke)
-    assert 0 < broken < 8  # the kernel spread the 8 connections over both workers
+    assert broken > 0  # (those on the other worker ended whole)
+    assert all(status == 200 and body == b"".join(STREAM) for status, body, broke in results if not broke)
     deadline = time.monotonic() + 30
     while await metric(served.admin_url, "llm_proxy_records_lost_total") < broken:
         assert time.monotonic() < deadline, served.log.read_text()
