@@ -12,9 +12,11 @@ on and off, reads the same through the admin listener.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -68,6 +70,16 @@ async def every_page(session: aiohttp.ClientSession, served: Served, limit: int)
     raise AssertionError("the pages never ended")
 
 
+def rows_in(database: Path) -> int:
+    """The records the history database holds now (read beside its writers, as SQLite allows)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5)) as db:
+            (count,) = db.execute("SELECT count(*) FROM records").fetchone()
+    except sqlite3.OperationalError:  # not made yet
+        return 0
+    return int(count)
+
+
 async def counted(session: aiohttp.ClientSession, served: Served, name: str) -> float:
     async with session.get(served.admin_url + "/metrics") as response:
         text = await response.text()
@@ -91,7 +103,14 @@ async def test_a_killed_worker_keeps_its_counts_in_the_sum(upstream: ScriptedUps
     try:
         async with aiohttp.ClientSession() as session:
             await asyncio.gather(*(answer_and_read_back(session, served, f"k{i:02d}") for i in range(ANSWERS)))
-            await asyncio.sleep(1.5)  # each worker has sent the snapshot of what it delivered
+            # Killed once every record is written (in the database) and counted (a scrape asks each
+            # worker for its snapshot): waited for, not slept on, for a loaded machine is slower.
+            deadline = time.monotonic() + 30
+            while (rows_in(tmp_path / "h.sqlite3") < ANSWERS
+                   or await counted(session, served, "llm_proxy_requests_total") < ANSWERS):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)  # (the writer counts a batch kept just after its commit)
             os.kill(served.children()[0], signal.SIGKILL)
             deadline = time.monotonic() + 60
             while not any(line.get("event") == "worker_died" for line in served.lines()):
