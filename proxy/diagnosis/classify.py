@@ -3,8 +3,9 @@
 Nothing here guesses, and nothing here knows a dialect: each dialect has already read its own
 finish value into a canonical one (`events.Finish.stop`). Precedence, first match wins:
 the proxy's own failure > connect failure > the proxy's shutdown > enforced deadline/idle timeout
-> client gone > 429/503/529 > other HTTP error > error event > upstream reset > the server's own finish
-reason > a stream ended without one (interrupted) > a body without one > stream cut with no final event.
+> client gone before the answer's end > 429/503/529 > other HTTP error > error event > upstream reset
+> the server's own finish reason > a stream ended without one (interrupted) > a body without one
+> stream cut with no final event.
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def length_cause_with_source(output_tokens: int | None, requested: int | None, n
     return ("server_limit", "output_count") if exact else ("unknown", "counted")
 
 
+def _ended_before_the_client_left(facts: WireFacts) -> bool:
+    """The answer's own end was relayed before the client went: the stream's end (`[DONE]`,
+    `done: true`, `message_stop`, a whole body), or the finish of its one choice. What the client
+    did after it does not change why the answer ended (a client may close on the finish without
+    waiting for `[DONE]`); with several choices one finish is not the end of the others."""
+    return facts.done or (facts.finish is not None and (facts.n or 1) <= 1)
+
+
 def classify(facts: WireFacts) -> Diagnosis:
     if facts.proxy_failed:  # whatever else was seen, what the client got ended there
         return Diagnosis("proxy_error")
@@ -166,7 +175,7 @@ def classify(facts: WireFacts) -> Diagnosis:
         return Diagnosis("deadline")
     if facts.enforced == "idle":
         return Diagnosis("idle_timeout")
-    if facts.client_disconnected and facts.error is None:
+    if facts.client_disconnected and facts.error is None and not _ended_before_the_client_left(facts):
         # (A server's error event the client was sent before it left ended the answer: a client that
         # leaves on it, as the official ones do when they raise, left because of it.)
         return Diagnosis("client_disconnect")

@@ -76,7 +76,13 @@ PRECEDENCE = [
     (dict(connect_error="connect", enforced="total", client_disconnected=True, status=None), "upstream_error"),
     (dict(enforced="total", client_disconnected=True), "deadline"),
     (dict(enforced="idle", client_disconnected=True), "idle_timeout"),
-    (dict(client_disconnected=True, status=429), "client_disconnect"),
+    (dict(client_disconnected=True, status=429, finish=None, done=False), "client_disconnect"),
+    # gone after the answer's own end reached it: the end is the stop (client_disconnected stays true)
+    (dict(client_disconnected=True), "eos"),
+    (dict(client_disconnected=True, done=False), "eos"),  # closed on the finish, before [DONE]
+    (dict(client_disconnected=True, done=False, n=2), "client_disconnect"),  # one choice of two ended
+    (dict(client_disconnected=True, finish=None, done=True, streamed=True), "interrupted"),
+    (dict(client_disconnected=True, finish=None, done=False), "client_disconnect"),
     # the server's error event came before the client left (the openai client raises on it and closes)
     (dict(client_disconnected=True, error=ErrorEvent("Context size has been exceeded.")), "upstream_error"),
     (dict(status=429), "rejected"),

@@ -205,6 +205,22 @@ async def test_client_disconnect_mid_stream_cancels_upstream(upstream: ScriptedU
     assert record.client_disconnected and 2 <= record.output_tokens < 50
 
 
+async def test_a_client_that_closes_on_the_finish_before_done_got_a_whole_answer(
+        upstream: ScriptedUpstream, proxy: RunningProxy, client: aiohttp.ClientSession) -> None:
+    # Some clients stop reading at the finish chunk and close without waiting for the usage chunk
+    # and [DONE]: the answer ended where the model ended it; that the client left after is kept.
+    upstream.push(Script(openai_stream(3), delay=0.1))
+    async with client.post(proxy.proxy_url + CHAT_URL, json=CHAT) as response:
+        rid = response.headers["X-Request-Id"]
+        await response.content.readuntil(b'"finish_reason":"stop"')
+        await response.content.readuntil(b"\n\n")
+        response.close()
+    await asyncio.wait_for(upstream.seen[-1].disconnected.wait(), 5)
+    record = await record_for(proxy, rid)
+    assert record.stop_reason == "eos" and record.outcome == "complete" and record.output_tokens == 3
+    assert record.client_disconnected and record.disconnect_phase == "mid_stream"
+
+
 async def test_client_disconnect_before_first_token(upstream: ScriptedUpstream, proxy: RunningProxy) -> None:
     upstream.push(Script(openai_stream(3), first_delay=0.5))
     async with aiohttp.ClientSession() as session:
