@@ -57,6 +57,8 @@ CONCURRENCY = "X-LLM-Diag-Concurrency"
 _REQUEST_ID_OK = re.compile(r"[\x21-\x7e]{1,128}")
 _STREAM_MEDIA = ("text/event-stream", "application/x-ndjson")
 _BROKEN_UPSTREAM = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# What reading the request raises when its client went away (recorded where it is seen).
+_CLIENT_GONE = (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError)
 
 
 class _FreshIds:
@@ -228,6 +230,8 @@ class Forwarder:
         try:
             return await exchange.forward()
         except Exception as exc:  # (a cancellation, the client gone, is not the proxy's failure)
+            if exchange.recorder.client_has_left and isinstance(exc, _CLIENT_GONE):
+                return exchange.gone()
             return exchange.failed(exc)
         finally:
             self.active.discard(deadlines)
@@ -335,7 +339,7 @@ class _Exchange:
         body = self.body
         try:
             await body.read(self.body_cap)
-        except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError) as exc:
+        except _CLIENT_GONE as exc:
             recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
         if self.gated:
@@ -561,6 +565,13 @@ class _Exchange:
         transport = self.request.transport
         if transport is not None:
             transport.close()
+
+    def gone(self) -> web.StreamResponse:
+        """The client went away while its request was read (recorded where it was seen): nothing
+        can reach it, and the connection ends."""
+        response = OwnResponse(status=400)
+        response.force_close()
+        return response
 
     def failed(self, error: Exception) -> web.StreamResponse:
         """The proxy's own code failed on this exchange. The client is never left waiting on it: a

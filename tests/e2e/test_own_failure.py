@@ -9,6 +9,7 @@ never came."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import orjson
@@ -17,6 +18,7 @@ from structlog.testing import capture_logs
 
 from proxy.relay import forward
 from proxy.relay.body_pump import BodyPump
+from proxy.relay.request_body import RequestBody
 from tests.support.proxies import ProxyFactory, record_for
 from tests.support.scripted_upstream import Script, ScriptedUpstream
 from tests.support.wire import openai_stream
@@ -99,3 +101,20 @@ async def test_a_failure_while_the_head_is_made_ends_the_connection(
         await asyncio.wait_for(_post(proxy.proxy_url, "ours-head"), 10)
     record = await record_for(proxy, "ours-head")
     assert record.stop_reason == "proxy_error" and record.outcome == "cut"
+
+
+async def test_a_client_gone_while_its_body_is_read_is_not_the_proxys_failure(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (aiohttp usually cancels the handler when its client goes; where reading raises instead, the
+    # record still says the client left, and no failure of the proxy's is logged.)
+    proxy = await make_proxy(upstream.url)
+
+    async def gone_mid_body(self: RequestBody, cap: int) -> None:
+        raise ConnectionResetError("the client reset the connection")
+
+    monkeypatch.setattr(RequestBody, "read", gone_mid_body)
+    with capture_logs() as logs, contextlib.suppress(aiohttp.ClientError):
+        await asyncio.wait_for(_post(proxy.proxy_url, "gone-mid-body"), 10)
+    record = await record_for(proxy, "gone-mid-body")
+    assert record.stop_reason == "client_disconnect" and record.client_disconnected
+    assert not [line for line in logs if line["event"] == "exchange_failed"] and not upstream.seen
