@@ -269,12 +269,14 @@ def panels() -> list[dict[str, Any]]:
               "out of memory; context_exhausted: the KV cache / context ran out, a pool the requests share; "
               "exceeds_context: a request larger than the context one request gets; http_status: an HTTP "
               "error other than 429/503), requests the server refused "
-              "(429/503: load shedding) and responses the parser could not fully read. Records: "
-              "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected.",
+              "(429/503: load shedding), responses the parser could not fully read, and exchanges the "
+              "proxy's own code failed on (a defect of the proxy's: alert LLMProxyExchangeFailures). Records: "
+              "/api/requests?stop_reason=upstream_error, ?stop_reason=rejected, ?stop_reason=proxy_error.",
               (12, 57, 12, 8),
               [(f"sum by (kind) ({counted('llm_proxy_upstream_errors')})", "{{kind}}"),
                (f"sum({rejected})", "rejected (429/503)"),
-               (f"sum by (dialect) ({counted('llm_proxy_parse_errors')})", "parse error {{dialect}}")],
+               (f"sum by (dialect) ({counted('llm_proxy_parse_errors')})", "parse error {{dialect}}"),
+               (f"sum({counted('llm_proxy_exchange_failures')})", "the proxy's own failure")],
               links=[records_link("stop_reason=upstream_error")]),
         panel("timeseries", "Length stops spent on reasoning", "Of the length stops of each cause (at the "
               "client's budget, or below it: server_limit), the share whose budget went mostly (50% or more) "

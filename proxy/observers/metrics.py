@@ -215,6 +215,11 @@ class RecordMetrics:
         self.parse_errors = Counter(
             "llm_proxy_parse_errors", "Responses whose bytes the parser could not fully read.",
             ["dialect"], registry=r)
+        self.exchange_failures = Counter(
+            "llm_proxy_exchange_failures", "Exchanges the proxy's own code failed on, each ended at once (stop "
+            "reason proxy_error: a 502 before the request went upstream, a broken connection after; the log's "
+            "exchange_failed line says where): a defect of the proxy's, never the server's or the client's.",
+            registry=r)
         self.observer_errors = Counter(
             "llm_proxy_observer_errors", "Observer failures (the traffic was not affected).", registry=r)
         self.invalid_requests = Counter(
@@ -419,6 +424,8 @@ class MetricsObserver(Observer):
             m._child(m.parse_errors, record.dialect).inc()
         if record.observer_errors:
             m.observer_errors.inc(len(record.observer_errors))
+        if record.stop_reason == "proxy_error":
+            m.exchange_failures.inc()
         if outcome == "not_inference":
             return
         if record.output_tokens is not None:

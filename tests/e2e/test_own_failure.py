@@ -63,6 +63,9 @@ async def test_a_failure_after_the_head_breaks_the_connection_and_is_recorded(
     status, body, broke = await _post(proxy.proxy_url, "after-it")
     assert status == 200 and broke is None and body == b"".join(openai_stream(5))
     assert (await record_for(proxy, "after-it")).stop_reason == "eos"
+    async with aiohttp.ClientSession() as session, session.get(proxy.admin_url + "/metrics") as response:
+        metrics = await response.text()
+    assert "\nllm_proxy_exchange_failures_total 1.0\n" in metrics  # (what LLMProxyExchangeFailures watches)
 
 
 async def test_a_failure_before_the_request_went_upstream_is_a_json_502(

@@ -292,6 +292,17 @@ def build_cases() -> list[dict[str, Any]]:
          "exp_alerts": [fired("LLMProxyUpstreamTelemetryDown", job="llm-diag-proxy", instance="proxy-a:9464",
                               source="vllm")]},
     ])
+    # --- LLMProxyExchangeFailures
+    case("one exchange the proxy failed on fires for its instance; none does not", [
+        s("llm_proxy_exchange_failures_total", "", "0x10 1x30"),
+        {"series": 'llm_proxy_exchange_failures_total{job="llm-diag-proxy",instance="proxy-b:9464"}',
+         "values": "0x40"},
+    ], [
+        {"eval_time": "5m", "alertname": "LLMProxyExchangeFailures", "exp_alerts": []},
+        {"eval_time": "15m", "alertname": "LLMProxyExchangeFailures",
+         "exp_alerts": [fired("LLMProxyExchangeFailures", job="llm-diag-proxy", instance="proxy-a:9464")]},
+        {"eval_time": "35m", "alertname": "LLMProxyExchangeFailures", "exp_alerts": []},
+    ])
     # --- LLMProxyDown
     case("a failing scrape for a minute fires", [
         {"series": 'up{job="llm-diag-proxy",instance="proxy-a:9464"}', "values": "1x3 0x10"},
