@@ -94,7 +94,7 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     `server` is what the server says of its context, to name a length limit by its number."""
     verdict = _decide(summaries, groups, client_timeout_s, server)
     whole_below = [s.level for s in summaries if verdict.onset_level is not None and s.level < verdict.onset_level]
-    if verdict.kind in ("policy", "serving_defect") and whole_below:
+    if verdict.kind in ("policy", "serving_defect") and whole_below and verdict.cause != "proxy_error":
         # The highest level seen whole, not the onset minus one: a level between them was never tried.
         verdict = replace(verdict, recommendation=f"{verdict.recommendation}; "
                                                   f"{lower_concurrency(max(whole_below), server)}")
@@ -353,6 +353,9 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
     else:
         headline = (f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
                     f"of {onset.requested_max_tokens or 'unknown'} tokens: {words}")
+    if cause == "proxy_error":  # the proxy's own defect: no concurrency of the server's is the remedy
+        return Verdict("serving_defect", headline, cause, onset.level, False, tuple(evidence),
+                       f"the proxy's own defect: {remedy}", difference)
     return Verdict(
         "serving_defect", headline, cause, onset.level, False,
         tuple(evidence),
@@ -385,6 +388,9 @@ CAUSE_WORDS: dict[str, str] = {
                       "loaded models stopped naming it), and they broke off",
     "undelivered": "the server finished answers (its own spans say so) whose streams broke before their end: "
                    "they were cut between the server's engine and the proxy",
+    "proxy_error": "the proxy's own code failed on these exchanges and ended them: a defect of llm-diag-proxy, "
+                   "not of the server",
+    "proxy_shutdown": "the proxy was stopped while these answers ran, and ended them past its shutdown grace",
 }
 
 
@@ -414,6 +420,8 @@ CAUSE_ADVICE: dict[str, str] = {
                       "model per server",
     "undelivered": "find what cuts streams between the server and the proxy: a gateway's or load balancer's "
                    "timeout or buffer on that path, or the server's own HTTP layer (its logs at those times)",
+    "proxy_error": "report it with the proxy's exchange_failed log lines (the error's type and where it was "
+                   "raised); these answers say nothing of the server",
 }
 
 

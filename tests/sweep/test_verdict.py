@@ -249,3 +249,13 @@ def test_a_baseline_that_does_not_change_with_load_stays_a_baseline() -> None:
     groups = {1: level(1, 4, **budget), 4: level(4, 8, **budget)}
     verdict = decide(summarize([s for g in groups.values() for s in g]), groups)
     assert verdict.kind == "baseline_truncation" and verdict.baseline is None
+
+
+def test_the_proxys_own_failures_are_named_as_the_proxys_not_the_servers() -> None:
+    failed = {"stop": "proxy_error", "tokens": 3}
+    samples = level(1, 4) + level(2, 8) + level(4, 4) + level(4, 12, **failed)
+    v = verdict(samples)
+    assert v.cause == "proxy_error"
+    assert "a defect of llm-diag-proxy, not of the server" in v.headline
+    assert "exchange_failed" in v.recommendation
+    assert "concurrency" not in v.recommendation and "--max-in-flight" not in v.recommendation
