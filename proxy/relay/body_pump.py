@@ -52,6 +52,7 @@ class Stop(enum.Enum):
     BROKE = "broke"  # the upstream's connection or framing broke: `error` says how
     CLIENT_LEFT = "client_left"  # the client's connection closed under a write
     PAUSED = "paused"  # the client takes no more for now: drain, then `resume()`
+    FAILED = "failed"  # the pump's own code raised (a defect of the proxy's): `error` is what
 
 
 class BodyPump:
@@ -140,23 +141,46 @@ class BodyPump:
 
     def take(self, data: bytes, lost: bool = False) -> None:
         """A read of a chunked body, as it came: checked, to the client, then its payload to the
-        record; `lost`: the connection closed."""
-        if self._lane and not lost and len(data) <= LANE_BYTES:  # the usual read: see the module's docstring
-            start = chunk_start(data)
-            transport = self._transport
-            if start and transport is not None and not transport.is_closing():
-                transport.write(data)
-                kept = self._kept
-                kept.append((data, start, len(data) - 2, time.monotonic()))
-                if len(kept) >= LANE_READS:
-                    self._record_kept()
-                if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held: not paused)
-                    self._connection.pause_body()
-                    self._stop(Stop.PAUSED)
-                return
-        self._record_kept()
-        self._take(data, lost)
-        self._open_lane()
+        record; `lost`: the connection closed. (Run in the connection's read callback: a failure
+        of its own stops the pump, FAILED, for the exchange to end; raised there, asyncio would
+        drop the upstream connection and the record would blame the upstream.)"""
+        try:
+            if self._lane and not lost and len(data) <= LANE_BYTES:  # the usual read: see the module's docstring
+                start = chunk_start(data)
+                transport = self._transport
+                if start and transport is not None and not transport.is_closing():
+                    transport.write(data)
+                    kept = self._kept
+                    kept.append((data, start, len(data) - 2, time.monotonic()))
+                    if len(kept) >= LANE_READS:
+                        self._record_kept()
+                    if transport.get_write_buffer_size() and self._client.writing_paused:  # (nothing held)
+                        self._connection.pause_body()
+                        self._stop(Stop.PAUSED)
+                    return
+            self._record_kept()
+            self._take(data, lost)
+            self._open_lane()
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, error: Exception) -> None:
+        """The pump's own code raised: it takes no more, and the exchange ends (`Stop.FAILED`)."""
+        self._lane = False
+        self._kept = []
+        if self.stopped is Stop.FAILED:
+            return
+        self.error = error
+        self.stopped = Stop.FAILED
+        try:
+            self.detach()
+        except Exception:  # (what failed may be what detaching runs: the exchange ends all the same)
+            connection = self._connection
+            connection.on_data = None
+            connection.stop_taking(self.take)
+        waiter = self.waiter
+        if not waiter.done():
+            waiter.set_result(None)
 
     def _open_lane(self) -> None:
         """The next read may take the lane: the pump takes reads, the framing is between chunks,
@@ -247,6 +271,8 @@ class BodyPump:
             while self._again and self.stopped is None:
                 self._again = False
                 self._pump(lost)
+        except Exception as exc:  # (as in `take`)
+            self._failed(exc)
         finally:
             self._busy = False
 

@@ -513,6 +513,9 @@ class _Exchange:
             pump.detach()
             self.recorder.body_ended(pump.ended_at or time.monotonic())
             self.max_gap = pump.max_gap
+        if pump.stopped is Stop.FAILED:
+            assert pump.error is not None
+            raise pump.error  # (the exchange's own failure: `Forwarder.handle` ends it, proxy_error)
         if pump.stopped is Stop.CLIENT_LEFT:
             return Ending.CLIENT_LEFT, None
         if pump.stopped is Stop.BROKE:

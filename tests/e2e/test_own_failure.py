@@ -16,7 +16,7 @@ import orjson
 import pytest
 from structlog.testing import capture_logs
 
-from proxy.relay import forward
+from proxy.relay import body_pump, forward
 from proxy.relay.body_pump import BodyPump
 from proxy.relay.request_body import RequestBody
 from tests.support.proxies import ProxyFactory, record_for
@@ -121,3 +121,29 @@ async def test_a_client_gone_while_its_body_is_read_is_not_the_proxys_failure(
     record = await record_for(proxy, "gone-mid-body")
     assert record.stop_reason == "client_disconnect" and record.client_disconnected
     assert not [line for line in logs if line["event"] == "exchange_failed"] and not upstream.seen
+
+
+async def test_a_failure_in_the_read_callback_is_the_proxys_not_the_upstreams(
+        upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pump runs in the upstream connection's read callback: a failure there, raised to asyncio,
+    # dropped the upstream connection and the record said upstream_disconnect, a guess against the
+    # server. It stops the pump instead, and the exchange ends as the proxy's own failure.
+    upstream.default = Script(chunks=openai_stream(8), delay=0.01)
+    proxy = await make_proxy(upstream.url)
+    reads = [0]
+    real = body_pump.chunk_start
+
+    def failing_on_the_fourth(data: bytes) -> int:
+        reads[0] += 1
+        if reads[0] == 4:
+            raise IndexError("what the exchange carried")
+        return real(data)
+
+    monkeypatch.setattr(body_pump, "chunk_start", failing_on_the_fourth)
+    with capture_logs() as logs:
+        status, _, broke = await asyncio.wait_for(_post(proxy.proxy_url, "ours-in-a-read"), 10)
+    assert status == 200 and broke == "ClientPayloadError"
+    record = await record_for(proxy, "ours-in-a-read")
+    assert record.stop_reason == "proxy_error" and "IndexError at test_own_failure.py:" in (record.stop_detail or "")
+    assert [line["error"] for line in logs if line["event"] == "exchange_failed"] == ["IndexError"]
+    assert not [line for line in logs if "Fatal error" in str(line.get("event"))]
