@@ -61,10 +61,15 @@ async def records(admin_url: str, count: int | None = None, timeout_s: float = 1
         await asyncio.sleep(0.05)
 
 
-async def test_two_workers_relay_unchanged_and_count_concurrency_proxy_wide(served: Served) -> None:
+async def test_two_workers_relay_unchanged_and_count_concurrency_proxy_wide(upstream: ScriptedUpstream,
+                                                                           served: Served) -> None:
     assert len(served.children()) == 2 and await metric(served.admin_url, "llm_proxy_workers") == 2
+    upstream.default = Script(chunks=STREAM, delay=0.1)  # 2 s per answer: all 16 overlap on a loaded machine too
     answers = asyncio.gather(*(stream(served.proxy_url, f"w{i}") for i in range(16)))
-    await asyncio.sleep(0.6)  # all 16 are streaming now
+    deadline = time.monotonic() + 1.5  # (waited for, not slept on)
+    while await metric(served.admin_url, "llm_proxy_in_flight") < 16:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
     assert await metric(served.admin_url, "llm_proxy_in_flight") == 16  # one count for both workers
     results = await answers
     assert all(status == 200 and body == b"".join(STREAM) for status, body in results)
