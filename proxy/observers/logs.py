@@ -106,6 +106,14 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: Any = None
     root.addHandler(LibraryLines(max(logging.WARNING, _LEVELS.get(level, logging.INFO))))
 
 
+def raised_at(error: BaseException) -> str | None:
+    """Where `error` was raised, as a log line names it: the innermost frame's file and line."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return None if frame is None else f"{frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
+
+
 class LibraryLines(logging.Handler):
     """The libraries' own warnings (aiohttp's server, asyncio's loop) as lines of the proxy's log, in
     its format: without it they reach stderr as bare text beside the JSON lines (Python's last-resort
@@ -118,11 +126,9 @@ class LibraryLines(logging.Handler):
             error = record.exc_info[1] if record.exc_info else None
             if error is not None:
                 fields["error"] = f"{type(error).__name__}: {error}"[:300]
-                frame = error.__traceback__
-                while frame is not None and frame.tb_next is not None:
-                    frame = frame.tb_next
-                if frame is not None:
-                    fields["at"] = f"{frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
+                at = raised_at(error)
+                if at is not None:
+                    fields["at"] = at
             structlog.get_logger("llm_diag_proxy").log(record.levelno, record.getMessage()[:1000], **fields)
         except Exception:  # a log that cannot be written (stdout gone): nowhere left to say so
             return

@@ -166,18 +166,14 @@ class BodyPump:
 
     def _failed(self, error: Exception) -> None:
         """The pump's own code raised: it takes no more, and the exchange ends (`Stop.FAILED`)."""
-        self._lane = False
-        self._kept = []
         if self.stopped is Stop.FAILED:
             return
         self.error = error
         self.stopped = Stop.FAILED
-        try:
-            self.detach()
-        except Exception:  # (what failed may be what detaching runs: the exchange ends all the same)
-            connection = self._connection
-            connection.on_data = None
-            connection.stop_taking(self.take)
+        # Nothing more of it goes anywhere (the exchange breaks the client's connection): what
+        # detaching then does is only to take no more reads.
+        self._lane, self._kept, self._head = False, [], b""
+        self.detach()
         waiter = self.waiter
         if not waiter.done():
             waiter.set_result(None)

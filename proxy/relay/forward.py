@@ -30,6 +30,7 @@ from proxy.config import ProxyConfig
 from proxy.diagnosis.clients import ClientNamer
 from proxy.diagnosis.finish import Finisher
 from proxy.diagnosis.recorder import ParseLimits, Recorder
+from proxy.observers.logs import raised_at
 from proxy.relay.admission import AdmissionGate, Refused
 from proxy.relay.body_pump import BodyPump, Stop
 from proxy.relay.deadlines import Deadlines
@@ -159,16 +160,6 @@ class RelayedResponse(web.StreamResponse):
 
 
 _ADDED_BY_AIOHTTP = ("Content-Type", "Date", "Server")
-
-
-def _raised_at(error: BaseException) -> str:
-    """Where `error` was raised: the innermost frame's file and line."""
-    frame = error.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    if frame is None:
-        return "unknown"
-    return f"{frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
 
 
 class Forwarder:
@@ -582,7 +573,7 @@ class _Exchange:
         broke; aiohttp's own 500 would land inside the relayed body). Said once in the log and on
         the record (`proxy_error`), by the error's type and where it was raised: never its text,
         which can hold what the exchange carried."""
-        where = _raised_at(error)
+        where = raised_at(error) or "unknown"
         detail = f"the proxy failed on this exchange ({type(error).__name__} at {where}) and ended it"
         _log.error("exchange_failed", request_id=self.recorder.record.request_id, error=type(error).__name__,
                    at=where)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import NoReturn
 
 import aiohttp
 import orjson
@@ -33,6 +34,11 @@ class _FailingPump(BodyPump):
     def start(self) -> None:
         super().start()
         raise KeyError("what the exchange carried")
+
+
+def _failing(*args: object, **kwargs: object) -> NoReturn:
+    """A piece of the exchange's way that fails as a bug of ours would."""
+    raise ValueError("what the exchange carried")
 
 
 async def _post(url: str, request_id: str) -> tuple[int, bytes, str | None]:
@@ -72,11 +78,7 @@ async def test_a_failure_before_the_request_went_upstream_is_a_json_502(
         upstream: ScriptedUpstream, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     upstream.default = Script(chunks=openai_stream(3))
     proxy = await make_proxy(upstream.url)
-
-    def failing(*args: object, **kwargs: object) -> str:
-        raise ValueError("what the exchange carried")
-
-    monkeypatch.setattr(forward, "origin_target", failing)
+    monkeypatch.setattr(forward, "origin_target", _failing)
     with capture_logs() as logs:
         status, body, broke = await asyncio.wait_for(_post(proxy.proxy_url, "ours-before"), 10)
     assert status == 502 and broke is None
@@ -95,11 +97,7 @@ async def test_a_failure_while_the_head_is_made_ends_the_connection(
     # can follow it cleanly, so the connection ends (the client is told at once, and not a 200).
     upstream.default = Script(chunks=openai_stream(3))
     proxy = await make_proxy(upstream.url)
-
-    def failing_head(*args: object, **kwargs: object) -> bytes:
-        raise ValueError("what the exchange carried")
-
-    monkeypatch.setattr(forward, "response_head", failing_head)
+    monkeypatch.setattr(forward, "response_head", _failing)
     with pytest.raises(aiohttp.ServerDisconnectedError):
         await asyncio.wait_for(_post(proxy.proxy_url, "ours-head"), 10)
     record = await record_for(proxy, "ours-head")
