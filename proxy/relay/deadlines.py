@@ -32,6 +32,14 @@ def _loop_offset(loop: asyncio.AbstractEventLoop) -> float:
     return best
 
 
+def calibrate(loop: asyncio.AbstractEventLoop) -> None:
+    """Read the loop's offset where its clock is fresh: in a timer's callback, which uvloop runs
+    first in its turn, right after it read the clock. Called before the first exchange, so that
+    its deadline does not rest on one reading taken late in a long turn (a process's first request
+    may run tens of milliseconds of first-time imports in its turn): it would fire that much early."""
+    loop.call_later(0.001, _loop_offset, loop)  # (a delay of 0 would not be a timer in uvloop)
+
+
 class Deadlines:
     """`guard()` around the reads; `arm(since)` before each read, `disarm()` after it."""
 

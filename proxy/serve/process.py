@@ -37,6 +37,7 @@ from proxy.observers.record_store import RecordQuery, RecordStore, matching
 from proxy.observers.tracing import Tracer
 from proxy.record import CompactOnce
 from proxy.relay.admission import AdmissionGate, GateSettings
+from proxy.relay.deadlines import calibrate
 from proxy.relay.forward import Forwarder
 from proxy.relay.in_flight import InFlightTracker
 from proxy.relay.listeners import listen
@@ -127,6 +128,7 @@ class ServingProcess:
         """Open the proxy port (with `reuse_port`, the port N workers share) and start the server
         check; returns the URL it listens on."""
         config = self.config
+        calibrate(asyncio.get_running_loop())  # (the deadlines' clock, read while the loop is idle)
         # handler_cancellation: a client that goes away cancels its handler at once, so the
         # upstream request is cancelled too (the server frees the sequence's KV blocks).
         self.runner, self._site, self.url = await listen(

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import pytest
 
-from proxy.relay.deadlines import Deadlines
+from proxy.relay import deadlines as deadlines_module
+from proxy.relay.deadlines import Deadlines, calibrate
 
 
 async def _wait_guarded(deadlines: Deadlines, seconds: float) -> None:
@@ -136,3 +138,35 @@ async def test_a_read_in_the_turn_the_timeout_fires_leaves_it_be(poke: str) -> N
             loop.call_at(timeout.when(), in_the_same_turn)  # (after the timeout's own callback)
             await asyncio.sleep(5)
     assert errors == [] and deadlines.fired == "idle"
+
+
+async def test_a_first_deadline_read_late_in_a_long_turn_fires_no_earlier_once_calibrated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Left by the fix above: the offset is the largest reading seen, so a process's first exchange
+    # rests on one reading, which a long first turn (first-time imports) makes tens of ms stale.
+    # The proxy reads it while its loop is idle, before its port opens.
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(deadlines_module, "_offsets", weakref.WeakKeyDictionary())
+    calibrate(loop)
+    await asyncio.sleep(0.01)  # (the calibration's timer has run)
+    started = time.monotonic()
+    deadlines = Deadlines(started, 0.05, 0.0, True)
+    with pytest.raises(TimeoutError):
+        monkeypatch.setattr(loop, "time", _LaggingLoopTime(loop, 0.03))  # the guard's reading: 30 ms stale
+        async with deadlines.guard():
+            await asyncio.sleep(5)
+    assert time.monotonic() - started >= 0.05 - 0.002  # (uvloop's clock counts milliseconds)
+    assert deadlines.fired == "total"
+
+
+async def test_without_the_calibration_that_first_deadline_would_fire_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The test above's control: the same stale reading, uncalibrated, fires the deadline 30 ms early.
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(deadlines_module, "_offsets", weakref.WeakKeyDictionary())
+    started = time.monotonic()
+    deadlines = Deadlines(started, 0.05, 0.0, True)
+    with pytest.raises(TimeoutError):
+        monkeypatch.setattr(loop, "time", _LaggingLoopTime(loop, 0.03))
+        async with deadlines.guard():
+            await asyncio.sleep(5)
+    assert time.monotonic() - started < 0.05 - 0.01
