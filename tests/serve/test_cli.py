@@ -47,6 +47,17 @@ def test_the_gate_with_workers_is_one_line_and_exit_2(capsys: pytest.CaptureFixt
                    "between --workers yet\n")
 
 
+@pytest.mark.parametrize("name", ["X Client", "client:id", "b\\ad", "naïve"])
+def test_a_client_header_no_request_could_carry_is_one_line_and_exit_2(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # (accepted before, it matched no request: every client went unnamed, silently)
+    assert main(["--client-header", name, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+                 "--history", "off"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llm-diag-proxy: error: invalid --client-header {name!r}: not a header name")
+    assert err.count("\n") == 1
+
+
 def test_bad_environment_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("LLM_DIAG_UPSTREAM", "not a url")
