@@ -242,7 +242,7 @@ def _on_off(value: str, flag: str) -> bool:
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The ProxyConfig named by serve's flags (defaults from the environment are parsed here too)."""
-    from proxy.observers.history.source import read_password_file
+    from proxy.observers.history.source import is_postgres, password_without_database, read_password_file
 
     try:
         upstream = parse_upstream_url(args.upstream)
@@ -252,6 +252,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         if len(instance) > 200:
             raise ConfigError("invalid --instance: at most 200 characters")
         client_header, client_secret = client_naming(args)
+        history = history_path(getattr(args, "history", "off"), listen, split_credentials(upstream)[0])
+        if password_file and history is not None and not is_postgres(history):  # (off: the history left out)
+            raise ConfigError(password_without_database(history))
         if getattr(args, "max_in_flight", None) is not None and getattr(args, "workers", 1) > 1:
             raise ConfigError("--max-in-flight needs one process: the gate's queue is not shared between "
                               "--workers yet")
@@ -285,7 +288,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             parse_bytes_max=args.parse_bytes,
             workers=getattr(args, "workers", 1),
             otel=getattr(args, "otel", False),
-            history_path=history_path(getattr(args, "history", "off"), listen, split_credentials(upstream)[0]),
+            history_path=history,
             history_max_age_s=getattr(args, "history_max_age", 7 * 86400.0),
             history_max_bytes=getattr(args, "history_max_bytes", 1 << 30),
             history_buffer=getattr(args, "history_buffer", 50_000),

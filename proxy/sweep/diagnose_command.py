@@ -167,11 +167,19 @@ def run(args: argparse.Namespace) -> int:
         records = asyncio.run(from_admin(args.admin, args.admin_token, since, None))
         where = args.admin
     else:
-        from proxy.observers.history.source import parse_history, read_password_file, shown
+        from proxy.observers.history.source import (
+            is_postgres,
+            parse_history,
+            password_without_database,
+            read_password_file,
+            shown,
+        )
 
         try:
             target = parse_history(args.history or os.environ.get("LLM_DIAG_HISTORY") or "") or default_history()
             password = read_password_file(args.history_password_file) if args.history_password_file else None
+            if password is not None and not is_postgres(target):
+                raise ConfigError(password_without_database(target))
         except ConfigError as exc:
             raise CliError(str(exc)) from None
         records = from_history(target, since, None, password)

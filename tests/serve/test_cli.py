@@ -58,6 +58,19 @@ def test_a_client_header_no_request_could_carry_is_one_line_and_exit_2(
     assert err.count("\n") == 1
 
 
+def test_a_password_file_beside_a_history_file_is_one_line_and_exit_2(
+        tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    password = os.path.join(str(tmp_path), "password")
+    with open(password, "w") as f:
+        f.write("pw\n")
+    history = os.path.join(str(tmp_path), "h.sqlite3")
+    assert main(["--history", history, "--history-password-file", password, "--listen", "127.0.0.1:0",
+                 "--admin-listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"llm-diag-proxy: error: --history-password-file is the password of a PostgreSQL history "
+                   f"(--history postgresql://...); the history here is the file {history}: nothing would read it\n")
+
+
 def test_bad_environment_value_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("LLM_DIAG_UPSTREAM", "not a url")

@@ -106,6 +106,18 @@ def test_too_little_traffic_is_said_plainly(tmp_path: Path) -> None:
     assert result.returncode == 0 and "VERDICT (insufficient_data)" in result.stdout
 
 
+def test_a_password_file_beside_a_history_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    # (taken before and read by nothing: a user who meant PostgreSQL read a file and was not told)
+    (tmp_path / "password").write_text("pw\n")
+    result = subprocess.run([sys.executable, "-m", "proxy", "diagnose", "--history", str(tmp_path / "h.sqlite3"),
+                             "--history-password-file", str(tmp_path / "password")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("llm-diag-proxy: error: --history-password-file is the password of a "
+                                    "PostgreSQL history") and result.stderr.count("\n") == 1
+    assert "pw" not in result.stderr.replace("password", "")
+
+
 async def test_a_running_proxy_is_read_through_its_admin_api(upstream: ScriptedUpstream,
                                                              make_proxy: ProxyFactory) -> None:
     upstream.default = Script(chunks=openai_stream(5), delay=0.05)

@@ -63,6 +63,12 @@ def shown(target: str) -> str:
     return re.sub(r"(?i)([?&]password=)[^&]*", r"\1***", redact_url(target))
 
 
+def password_without_database(target: str) -> str:
+    """What is wrong with --history-password-file beside a history that is a file."""
+    return (f"--history-password-file is the password of a PostgreSQL history (--history postgresql://...); "
+            f"the history here is the file {target}: nothing would read it")
+
+
 def parse_history(value: str) -> str | None:
     """`--history`: `off`, a file path, or a postgresql:// URL (checked here: a URL never becomes
     a file path, and a wrong one is said with its password hidden)."""
