@@ -27,10 +27,18 @@ HOP_BY_HOP = frozenset({
 REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length", "expect"}
 RESPONSE_SKIP = HOP_BY_HOP | {"content-length"}
 
-# A field line of a trailer section: a token, a colon, a value without CR, LF or NUL (RFC 9110 5.1, 5.5).
-_FIELD_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*")
+# A field's name is a token; a field line of a trailer section is a token, a colon, a value without
+# CR, LF or NUL (RFC 9110 5.1, 5.5).
+_TOKEN = "[!#$%&'*+\\-.^_`|~0-9A-Za-z]+"
+_FIELD_NAME = re.compile(_TOKEN)
+_FIELD_LINE = re.compile(_TOKEN.encode() + rb":[\t\x20-\x7e\x80-\xff]*")
 _LAST_CHUNK = re.compile(rb"0+(?:[\t ]*;[^\r\n]*)?")
 MAX_TRAILER_BYTES = 8192
+
+
+def is_field_name(name: str) -> bool:
+    """`name` can name a header field: a request could carry it."""
+    return _FIELD_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TypeVar
@@ -192,17 +191,15 @@ def history_path(value: str | None, listen: HostPort | None = None, upstream: st
     return parse_history(value)
 
 
-_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an RFC 9110 token
-
-
 def client_naming(args: argparse.Namespace) -> tuple[str | None, bytes | None]:
     """`--client-header` (never a credential) and the secret of the API keys' hash (a note in the
     log when only one for this process could be had)."""
     from proxy.diagnosis.clients import is_credential_header, load_secret
     from proxy.observers.history.source import state_directory
+    from proxy.relay.http1 import is_field_name
 
     header = (getattr(args, "client_header", None) or "").strip() or None
-    if header is not None and not _FIELD_NAME.fullmatch(header):
+    if header is not None and not is_field_name(header):
         raise ConfigError(f"invalid --client-header {header!r}: not a header name (letters, digits and "
                           "!#$%&'*+-.^_`|~ only, RFC 9110 section 5.1): no request could carry it")
     if header is not None and is_credential_header(header):

@@ -94,7 +94,7 @@ def decide(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence[Samp
     `server` is what the server says of its context, to name a length limit by its number."""
     verdict = _decide(summaries, groups, client_timeout_s, server)
     whole_below = [s.level for s in summaries if verdict.onset_level is not None and s.level < verdict.onset_level]
-    if verdict.kind in ("policy", "serving_defect") and whole_below and verdict.cause != "proxy_error":
+    if verdict.kind in ("policy", "serving_defect") and whole_below and verdict.cause not in PROXYS_OWN:
         # The highest level seen whole, not the onset minus one: a level between them was never tried.
         verdict = replace(verdict, recommendation=f"{verdict.recommendation}; "
                                                   f"{lower_concurrency(max(whole_below), server)}")
@@ -353,15 +353,16 @@ def _truncation(summaries: Sequence[LevelSummary], groups: Mapping[int, Sequence
     else:
         headline = (f"answers are cut by {cause} from concurrency {onset.level}, before the requested budget "
                     f"of {onset.requested_max_tokens or 'unknown'} tokens: {words}")
-    if cause == "proxy_error":  # the proxy's own defect: no concurrency of the server's is the remedy
-        return Verdict("serving_defect", headline, cause, onset.level, False, tuple(evidence),
-                       f"the proxy's own defect: {remedy}", difference)
-    return Verdict(
-        "serving_defect", headline, cause, onset.level, False,
-        tuple(evidence),
-        f"a serving defect: {remedy or f'fix {cause!r} under load'} (it starts at concurrency {onset.level}); "
-        f"until then keep concurrency below {onset.level}", difference)
+    if cause in PROXYS_OWN:
+        recommendation = f"the proxy's own defect: {remedy}"
+    else:
+        recommendation = (f"a serving defect: {remedy or f'fix {cause!r} under load'} (it starts at concurrency "
+                          f"{onset.level}); until then keep concurrency below {onset.level}")
+    return Verdict("serving_defect", headline, cause, onset.level, False, tuple(evidence), recommendation, difference)
 
+
+# Causes that are the proxy's own defect: no concurrency of the server's is their remedy.
+PROXYS_OWN = frozenset({"proxy_error"})
 
 # Each cause in the words an operator acts on; a length limit is characterised from its records.
 CAUSE_WORDS: dict[str, str] = {
