@@ -40,6 +40,7 @@ from proxy.wire.parse_bytes import UNLIMITED, ParseBytes
 from proxy.wire.parsers import Read, load_json, parser_for
 
 DeadlineHit = Literal["total", "idle"]
+Routed = tuple[str, Dialect | None]  # a request's route, and the dialect it is read in (None: not read)
 QUEUE_TIME_RESOLUTION = 9  # decimals: ns, as servers report durations; below is float noise
 
 
@@ -149,15 +150,27 @@ class Recorder:
         self._proxy_failed: str | None = None
         self._ended_at: float | None = None
 
+    @staticmethod
+    def routed(path: str) -> Routed:
+        """How a request to `path` is read: its route and dialect (what `start` finds from `path`)."""
+        return route_of(path)
+
+    @staticmethod
+    def reads(routed: Routed) -> bool:
+        """A request so routed is a generation in a dialect the recorder reads (`inference`)."""
+        return routed[1] is not None
+
     @classmethod
     def start(cls, request_id: str, method: str, path: str, *, limits: ParseLimits = ParseLimits(),
-              started: float | None = None, instance: str | None = None, upstream: str | None = None,
-              client: str | None = None) -> Recorder:
-        """A recorder for a request to `path`, its dialect found by route, sent by `client` and seen
-        by the proxy `instance` on its way to `upstream`."""
-        route, dialect = route_of(path)
+              started: float | None = None, started_at: float | None = None, routed: Routed | None = None,
+              instance: str | None = None, upstream: str | None = None, client: str | None = None) -> Recorder:
+        """A recorder for a request to `path`, its dialect found by route (`routed`, when it was
+        found already), sent by `client` and seen by the proxy `instance` on its way to `upstream`;
+        it started at `started` (monotonic) and `started_at` (unix time), by default now."""
+        route, dialect = route_of(path) if routed is None else routed
         record = ResponseRecord(request_id=request_id, method=method, path=path[:512], route=route,
-                                dialect=dialect.name if dialect is not None else "none", started_at=time.time(),
+                                dialect=dialect.name if dialect is not None else "none",
+                                started_at=time.time() if started_at is None else started_at,
                                 instance=instance, upstream=upstream, client=client)
         return cls(record, dialect, time.monotonic() if started is None else started, limits)
 

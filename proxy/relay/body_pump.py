@@ -15,6 +15,8 @@ Two ways, by the answer's framing:
   client), then hands it to the record.
 
 Either way a read is written before it is recorded, and the record sees the payload bytes in order.
+Where the record's reading of the answer is still to begin (`begin`), it begins after the first
+write, so the answer's first bytes wait for none of it.
 A response head still to be written (`head`) goes out with the body's first bytes when they came
 with it, in one write, else alone when the pump has started (or at the latest when it detaches).
 
@@ -43,6 +45,8 @@ from proxy.relay.deadlines import Deadlines
 from proxy.relay.upstream.connection import Connection
 from proxy.wire.parsers import Read
 
+# What begins the record's reading of an answer: it returns the two sinks (`feed`, `feed_reads`).
+Begin = Callable[[], tuple[Callable[[bytes, float], None], Callable[[list[Read], int], None] | None]]
 LANE_READS = 16  # reads the lane keeps before they go to the record
 LANE_BYTES = 1024  # the longest read the lane takes: what it keeps stays under LANE_READS KiB
 
@@ -58,15 +62,17 @@ class Stop(enum.Enum):
 class BodyPump:
     """`start()`, then await `waiter` until `stopped` is not PAUSED (after PAUSED: drain, `resume()`)."""
 
-    __slots__ = ("_again", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_feed_reads",
+    __slots__ = ("_again", "_begin", "_busy", "_chunked", "_client", "_connection", "_content", "_feed", "_feed_reads",
                  "_framing", "_head", "_idle_armed", "_kept", "_lane", "_lost", "_transport", "deadlines", "ended_at",
                  "error", "last", "max_gap", "read", "stopped", "waiter")
 
     def __init__(self, content: StreamReader, connection: Connection, client: BaseProtocol, chunked: bool,
                  feed: Callable[[bytes, float], None], deadlines: Deadlines, last: float, head: bytes = b"",
-                 feed_reads: Callable[[list[Read], int], None] | None = None) -> None:
+                 feed_reads: Callable[[list[Read], int], None] | None = None, begin: Begin | None = None) -> None:
         """`feed(payload, time)` takes each read's payload, `feed_reads(reads, size)` a run of them
-        the lane kept, each left in its read (by default, each goes to `feed`)."""
+        the lane kept, each left in its read (by default, each goes to `feed`). With `begin`, the
+        two are what `begin()` returns, called once, after the first write and before the first
+        feed (the record's reading of the answer begun)."""
         self._content = content
         self._head = head  # the response head, still to be written
         self._connection = connection
@@ -77,6 +83,9 @@ class BodyPump:
         self._lost = False  # the connection was lost while the pump was paused
         self._feed = feed
         self._feed_reads = feed_reads or self._each
+        self._begin = begin
+        if begin is not None:
+            self._feed, self._feed_reads = self._first_feed, self._first_feed_reads
         self.deadlines = deadlines
         self._idle_armed = deadlines.enforce and deadlines.idle_s is not None
         self.read = 0  # body bytes taken from the reader
@@ -200,6 +209,20 @@ class BodyPump:
             size += end - start
         self.last, self.max_gap = last, longest
         self._feed_reads(kept, size)  # (the record keeps the list)
+
+    def _begun(self) -> None:
+        begin, self._begin = self._begin, None
+        assert begin is not None
+        self._feed, feed_reads = begin()
+        self._feed_reads = feed_reads or self._each
+
+    def _first_feed(self, data: bytes, now: float) -> None:
+        self._begun()
+        self._feed(data, now)
+
+    def _first_feed_reads(self, reads: list[Read], size: int) -> None:
+        self._begun()
+        self._feed_reads(reads, size)
 
     def _each(self, reads: list[Read], size: int) -> None:
         feed = self._feed

@@ -51,6 +51,7 @@ from proxy.relay.request_body import Outgoing, RequestBody
 from proxy.relay.upstream.connection import InvalidResponse, UpstreamUnreachable
 from proxy.relay.upstream.pool import SendCount, UpstreamPool, UpstreamResponse
 from proxy.wire.parse_bytes import ParseBytes
+from proxy.wire.parsers import Read
 
 _log = structlog.get_logger("llm_diag_proxy")
 REQUEST_ID = "X-Request-Id"
@@ -86,6 +87,10 @@ def new_request_id(supplied: str | None) -> str:
     if supplied and _REQUEST_ID_OK.fullmatch(supplied):
         return supplied
     return _fresh_ids.next()
+
+
+def _unread(data: bytes, now: float) -> None:
+    """The pump's sink before the record reads the answer (`_Exchange._read_answer` replaces it)."""
 
 
 def error_body(kind: str, message: str, **extra: Any) -> bytes:
@@ -201,20 +206,15 @@ class Forwarder:
         if refusal is not None:
             return self._refuse(request, refusal)
         started = time.monotonic()
-        recorder = Recorder.start(new_request_id(request.headers.get(REQUEST_ID)), request.method,
-                                  request.path, limits=self.limits, started=started,
-                                  instance=self.config.instance, upstream=self.config.upstream,
-                                  client=self.clients.name(request.headers))
-        recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
         config = self.config
         deadlines = Deadlines(started, config.deadline_s, config.idle_timeout_s, config.deadline_mode == "enforce")
         if self.shutting_down:
             deadlines.shutdown()
-        exchange = _Exchange(self, request, recorder, deadlines)
+        exchange = _Exchange(self, request, started, deadlines)
         gate = self.gate
         # A generation the gate holds is admitted once it has its place (after its body is read: the
         # record names its model); every other request at once, as without a gate.
-        exchange.gated = gate is not None and gate.on and recorder.inference
+        exchange.gated = gate is not None and gate.on and exchange.inference
         if not exchange.gated:
             exchange.admit()
         self.active.add(deadlines)
@@ -229,7 +229,6 @@ class Forwarder:
             exchange.release()
             exchange.body.release()
             exchange.finish()
-
 
     def _refuse(self, request: web.BaseRequest, refusal: Refusal) -> web.StreamResponse:
         """A request the relay does not forward: a JSON error, counted, one log line, the connection
@@ -260,9 +259,14 @@ class Forwarder:
 
 
 class _Exchange:
-    """One request/response pair going through the proxy."""
+    """One request/response pair going through the proxy.
 
-    def __init__(self, forwarder: Forwarder, request: web.BaseRequest, recorder: Recorder,
+    The first token's way carries only what it needs. The record is made once the request is on
+    its way upstream (`recorder`, at the latest where something must be recorded sooner: the
+    gate, a failure), so that the server works on the request meanwhile; the answer is read for
+    the record once its first bytes went out to the client (`_relay`)."""
+
+    def __init__(self, forwarder: Forwarder, request: web.BaseRequest, started: float,
                  deadlines: Deadlines) -> None:
         self.pool = forwarder.pool
         self.finisher = forwarder.finisher
@@ -271,7 +275,12 @@ class _Exchange:
         self.body_cap = forwarder.config.request_body_cap_bytes
         self.body = RequestBody(request, forwarder.parse_bytes)
         self.request = request
-        self.recorder = recorder
+        self.request_id = new_request_id(request.headers.get(REQUEST_ID))
+        self.started = started  # monotonic, and in unix time:
+        self.started_at = time.time()
+        self.route = Recorder.routed(request.path)
+        self.inference = Recorder.reads(self.route)  # a generation in a dialect the proxy reads
+        self._recorder: Recorder | None = None
         self.deadlines = deadlines
         self.max_gap = 0.0
         self.notified_start = False
@@ -279,18 +288,42 @@ class _Exchange:
         self.forwarder = forwarder
         self.gated = False  # it waits for a place at the admission gate
         self.entered = False  # it has its place there (to give back when it ends)
+        self.admitted = False
         self.slot: Slot | None = None
         self.at_start = 0
         self.response: web.StreamResponse | None = None  # the relayed answer, once its head is on its way
+        # The answer's head (status, media type, coding, length), until the record reads it:
+        self.answer_head: tuple[int, str, str, int | None] | None = None
+
+    @property
+    def recorder(self) -> Recorder:
+        """The exchange's recorder, made on first use (see the class's docstring)."""
+        recorder = self._recorder
+        if recorder is None:
+            forwarder, request = self.forwarder, self.request
+            config = forwarder.config
+            recorder = self._recorder = Recorder.start(
+                self.request_id, request.method, request.path, limits=forwarder.limits, started=self.started,
+                started_at=self.started_at, routed=self.route, instance=config.instance, upstream=config.upstream,
+                client=forwarder.clients.name(request.headers))
+            recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
+            if self.admitted:
+                self._admitted(recorder)
+        return recorder
 
     # --- admission ----------------------------------------------------------------------------
     def admit(self) -> None:
         """Counted in flight (a generation), with the deadlines' mode on the record."""
-        tracker, config = self.forwarder.concurrency, self.forwarder.config
-        self.slot = tracker.admit() if self.recorder.inference else None
+        tracker = self.forwarder.concurrency
+        self.slot = tracker.admit() if self.inference else None
         self.at_start = self.slot.at_start if self.slot is not None else tracker.in_flight
-        self.recorder.admitted(self.at_start,
-                               config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
+        self.admitted = True
+        if self._recorder is not None:
+            self._admitted(self._recorder)
+
+    def _admitted(self, recorder: Recorder) -> None:
+        config = self.forwarder.config
+        recorder.admitted(self.at_start, config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
 
     async def wait_for_place(self) -> web.Response | None:
         """The gate's queue, fair across clients: None once admitted, else the proxy's 503."""
@@ -326,12 +359,11 @@ class _Exchange:
 
     # --- the exchange -------------------------------------------------------------------------
     async def forward(self) -> web.StreamResponse:
-        recorder = self.recorder
         body = self.body
         try:
             await body.read(self.body_cap)
         except _CLIENT_GONE as exc:
-            recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
+            self.recorder.client_left(f"client went away while sending the body: {type(exc).__name__}")
             raise
         if self.gated:
             self._read_request()  # (the record names the model it waits for)
@@ -341,7 +373,7 @@ class _Exchange:
         headers = end_to_end(self.request.headers, REQUEST_SKIP, self.request.raw_headers)
         # The proxy's request id goes upstream, so both sides name the request alike; the client's
         # own Authorization wins over credentials given in the upstream URL.
-        headers[REQUEST_ID] = recorder.record.request_id
+        headers[REQUEST_ID] = self.request_id
         if self.authorization is not None and "Authorization" not in headers:
             headers["Authorization"] = self.authorization
         try:
@@ -351,6 +383,7 @@ class _Exchange:
             finally:
                 self._read_request()  # (sent or not: the record reads what was asked)
         except TimeoutError:
+            recorder = self.recorder
             fired = self.deadlines.fired
             if fired == "shutdown":
                 recorder.proxy_shutdown(status=503)
@@ -362,15 +395,18 @@ class _Exchange:
             recorder.no_answer("timeout", detail, 504)
             return self._answer(504, "upstream_timeout", detail)
         except UpstreamUnreachable as exc:
+            recorder = self.recorder
             detail = f"cannot connect to {self.base}: {exc.os_error}"[:300]
             recorder.no_answer("connect", detail, 502)
             return self._answer(502, "upstream_unavailable", detail)
         except InvalidResponse as exc:  # the parser refused the response head
+            recorder = self.recorder
             message = " ".join(str(exc.message).split())  # llhttp messages span lines
             detail = f"upstream answered with a response that is not valid HTTP: {message}"[:300]
             recorder.no_answer("reset", detail, 502)
             return self._answer(502, "upstream_invalid_response", detail)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            recorder = self.recorder
             detail = f"upstream closed the connection before answering: {exc}"[:300]
             recorder.no_answer("reset", detail, 502)
             return self._answer(502, "upstream_reset", detail)
@@ -396,10 +432,10 @@ class _Exchange:
             self.recorder.sent(count.retries)
 
     def _read_request(self) -> None:
-        """The request body read for the record and the exchange's start told, once: as soon as
-        the request is on its way upstream (the pool calls it after its write), so that the server
-        works on it meanwhile and the first token waits for neither. (Its start is told right after:
-        once it is, the request was read, or never will be.)"""
+        """The record made, the request body read for it and the exchange's start told, once: as
+        soon as the request is on its way upstream (the pool calls it after its write), so that the
+        server works on it meanwhile and the first token waits for none of them. (Its start is told
+        right after: once it is, the request was read, or never will be.)"""
         if self.notified_start:
             return
         self.recorder.request_body(self.body.held, self.body.note)
@@ -442,7 +478,7 @@ class _Exchange:
             self.pool.streamed(upstream)
         self._stamp(response)
         content_type = upstream.headers.get("Content-Type", "")
-        recorder.response_head(upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
+        self.answer_head = (upstream.status, content_type, upstream.headers.get("Content-Encoding", ""), length)
         request, writer = self.request, self.request.writer
         head = b""
         self.response = response  # (from here aiohttp's writer is the answer's: no other can follow)
@@ -457,8 +493,8 @@ class _Exchange:
             recorder.client_left()
             return response
         pump = BodyPump(upstream.content, upstream.protocol, request.protocol,
-                        isinstance(writer, StreamWriter) and writer.chunked, recorder.chunk_sink, deadlines,
-                        time.monotonic(), head, recorder.reads_sink)
+                        isinstance(writer, StreamWriter) and writer.chunked, _unread, deadlines,
+                        time.monotonic(), head, begin=self._read_answer)
         ending, error = await self._pump(pump)
         if ending is Ending.DEADLINE:
             fired = deadlines.fired
@@ -477,6 +513,15 @@ class _Exchange:
         else:
             await self._end_body(response, upstream, pump.relays_framing, chunked)
         return response
+
+    def _read_answer(self) -> tuple[Callable[[bytes, float], None], Callable[[list[Read], int], None]]:
+        """The answer's head to the record, once, and where its body goes: the pump calls it after
+        its first write, `finish` at the latest."""
+        recorder = self.recorder
+        answer_head, self.answer_head = self.answer_head, None
+        if answer_head is not None:
+            recorder.response_head(*answer_head)
+        return recorder.chunk_sink, recorder.reads_sink
 
     async def _pump(self, pump: BodyPump) -> tuple[Ending, BaseException | None]:
         """Run the pump to the body's end, the client's pace and the deadlines minded; how it ended
@@ -594,6 +639,8 @@ class _Exchange:
     def finish(self) -> None:
         """Hand the finished record to the observers; runs exactly once per request."""
         recorder = self.recorder
+        if self.answer_head is not None:
+            self._read_answer()
         if not recorder.client_has_left and not self.closed_by_us and self._client_connection_lost():
             recorder.client_left()
         self._notify_start()

@@ -4,7 +4,7 @@ payloads to the record; a client that takes no more pauses the upstream, and res
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -190,3 +190,31 @@ async def test_a_head_is_not_written_to_a_client_that_has_gone() -> None:
     pump.start()
     pump.detach()
     assert to_client.writes == []
+
+
+@pytest.mark.parametrize("held", [b"5\r\nhello\r\n", b""])
+async def test_the_records_reading_of_the_answer_begins_after_the_first_write_and_once(held: bytes) -> None:
+    """The answer's first bytes wait for none of the record's work: `begin` runs after they went
+    out (with the head), once, and what it returns takes every payload from then on, in order."""
+    connection, upstream = connected()
+    payload = await answered(connection, CHUNKED_HEAD_HELD + held)
+    to_client = MockTransport()
+    client = SimpleNamespace(transport=to_client, writing_paused=False)
+    fed: list[bytes] = []
+    begun: list[list[bytes]] = []
+
+    def begin() -> tuple[Callable[[bytes, float], None], None]:
+        begun.append(list(to_client.writes))
+        return (lambda data, now: fed.append(data)), None
+
+    def unread(data: bytes, now: float) -> None:
+        raise AssertionError("a payload fed before the record's reading began")
+
+    pump = BodyPump(payload, connection, client, True, unread, Deadlines(0.0, 0, 0, False), 0.0,  # type: ignore[arg-type]
+                    HEAD, begin=begin)
+    pump.start()
+    for read in (b"1\r\n \r\n", b"3\r\nabc\r\n", b"0\r\n\r\n"):
+        upstream.get_protocol().data_received(read)
+    assert len(begun) == 1 and begun[0][0] == HEAD + held  # the head and what came with it, out first
+    assert fed == [b"hello", b" ", b"abc"] if held else fed == [b" ", b"abc"]
+    assert pump.stopped is Stop.END

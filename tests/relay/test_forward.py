@@ -333,6 +333,53 @@ async def test_the_request_is_upstream_before_the_record_reads_its_body(exchange
     assert len(upstream_had) == 1 and exchange.ends.records[0].requested_max_tokens == 8
 
 
+async def test_the_record_is_made_once_the_request_is_upstream_and_reads_the_answer_once_it_reached_the_client(
+        exchange: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first token's way carries only what it needs: the record (its start, the client's name,
+    the trace context) is made while the server works on the request, and the answer is read for
+    it once its head and first event went out to the client."""
+    upstream_had: list[bytes] = []
+    client_had: list[list[bytes]] = []
+    start, read_head = Recorder.start.__func__, Recorder.response_head  # type: ignore[attr-defined]
+
+    def starting(cls: type[Recorder], *args: Any, **kwargs: Any) -> Recorder:
+        upstream_had.append(bytes(exchange.upstream_transport.written))
+        return start(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    def reading(recorder: Recorder, *args: Any) -> None:
+        client_had.append(list(exchange.client.transport.writes))
+        read_head(recorder, *args)
+
+    monkeypatch.setattr(Recorder, "start", classmethod(starting))
+    monkeypatch.setattr(Recorder, "response_head", reading)
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request(headers={
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})))
+    await until(lambda: bool(exchange.ends.started))
+    assert len(upstream_had) == 1 and upstream_had[0].endswith(CHAT)  # sent whole, then the record made
+    first, *rest = [b"%x\r\n%s\r\n" % (len(event), event) for event in openai_stream(2)] + [b"0\r\n\r\n"]
+    exchange.upstream.data_received(SSE_HEAD + first)
+    await until(lambda: bool(exchange.client.transport.writes))
+    for chunk in rest:
+        exchange.upstream.data_received(chunk)
+    await asyncio.wait_for(handled, 2)
+    assert len(client_had) == 1 and client_had[0] == exchange.client.transport.writes[:1]
+    assert client_had[0][0].endswith(b"\r\n\r\n" + first)  # out first, then read
+    (record,) = exchange.ends.records
+    assert (record.status, record.stop_reason, record.output_tokens) == (200, "eos", 2)
+    assert (record.trace_id, record.concurrency_at_start) == ("0af7651916cd43dd8448eb211c80319c", 1)
+    assert f"X-Request-Id: {record.request_id}".encode() in upstream_had[0]
+
+
+async def test_an_answer_without_a_byte_of_body_is_still_read_for_the_record(exchange: Any) -> None:
+    handled = asyncio.ensure_future(exchange.forwarder.handle(exchange.client.request()))
+    await until(lambda: bool(exchange.ends.started))
+    exchange.upstream.data_received(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n")
+    response = await asyncio.wait_for(handled, 2)
+    assert response.status == 500
+    (record,) = exchange.ends.records
+    assert (record.status, record.stop_reason) == (500, "upstream_error")
+
+
 async def test_a_request_that_never_went_upstream_still_names_what_it_asked() -> None:
     async def unreachable() -> tuple[Connection, bool]:
         raise UpstreamUnreachable(ConnectionRefusedError(111, "Connection refused"))
