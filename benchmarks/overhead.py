@@ -8,7 +8,10 @@ machine has two cores or more, the generator and the upstream share one core and
 throughput, not as a slower generator.
 
 The hard case first: **unpaced**, tokens as fast as the upstream can write them, several events
-per socket write, closed loop at each level of concurrent streams. It prints, per level:
+per socket write (each its own HTTP chunk, as a server under load sends them), closed loop at each
+level of concurrent streams, read by bare protocols that count the tokens in the raw bytes (as the
+independent harness's generator does: aiohttp's client, parsing each chunk, set the pace at 8 chunks
+per write, not the relay). It prints, per level:
 tokens/s direct, through nginx and through the proxy; the CPU each relay spent per relayed
 event (user + system time of all its processes over the events it carried); and the TTFT each
 relay adds (p50, p99). Then **paced** (like a real server, `--token-interval`): the added TTFT
@@ -44,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -143,6 +147,8 @@ def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
     Paced (`X-Bench-Interval`): the first token at once (TTFT measures the path, not the engine), the
     others at the engine's steps, shared by every running stream."""
     role, body, final = stream_events(tokens)
+    framed = [b"%x\r\n%b\r\n" % (len(event), event) for event in body]
+    framed_final = b"".join(b"%x\r\n%b\n\n\r\n" % (len(event) + 2, event) for event in final.split(b"\n\n")[:-1])
     steps = Steps()
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -158,10 +164,15 @@ def run_upstream(port: int, tokens: int, reuse_port: bool = False) -> None:
                 if i:
                     await steps.next(interval)
                 await response.write(event)
+            await response.write(final)
         else:
+            # As a server under load sends them, and as the independent harness does: each event its
+            # own HTTP chunk, `batch` chunks in one socket write (framed here, so aiohttp's writer
+            # passes them as they are and adds no chunk around them; the last chunk is ours too).
+            request.writer.chunked = False
             for i in range(0, len(events), batch):
-                await response.write(b"".join(events[i:i + batch]))
-        await response.write(final)
+                await response.write(b"".join(framed[i:min(i + batch, len(events))]))
+            await response.write(framed_final + b"0\r\n\r\n")
         await response.write_eof()
         return response
 
@@ -224,22 +235,96 @@ async def one_stream(session: aiohttp.ClientSession, url: str, max_tokens: int,
     return ttft, tokens
 
 
+TOKEN_MARK = b'"content":"tok'
+LAST_CHUNK = b"\r\n0\r\n\r\n"
+
+
+class RawStream(asyncio.Protocol):
+    """One keep-alive connection of the unpaced load, on a bare protocol as the independent
+    harness's generator is: the answer's bytes are not parsed, only its tokens counted (a mark
+    split between two reads counted once) and its last chunk seen. aiohttp's client would parse
+    each HTTP chunk in Python: at many chunks per read it, not the relay, sets the pace."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None  # (uvloop's transports are not asyncio.Transport's subclasses)
+        self.answer: asyncio.Future[tuple[float, int]] | None = None
+        self.sent = 0.0
+        self.ttft = -1.0
+        self.tokens = 0
+        self.tail = b""
+        self.head_checked = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def ask(self, request: bytes) -> asyncio.Future[tuple[float, int]]:
+        """Send one request; the future gets (TTFT, tokens) when its answer's last chunk came."""
+        assert self.transport is not None
+        self.answer = asyncio.get_running_loop().create_future()
+        self.sent, self.ttft, self.tokens, self.tail, self.head_checked = time.perf_counter(), -1.0, 0, b"", False
+        self.transport.write(request)
+        return self.answer
+
+    def data_received(self, data: bytes) -> None:
+        answer = self.answer
+        if answer is None or answer.done():
+            return
+        if not self.head_checked:
+            self.head_checked = True
+            if not data.startswith(b"HTTP/1.1 200 "):
+                answer.set_exception(RuntimeError(f"the relay answered {data[:40]!r}"))
+                return
+        seen = self.tail + data
+        found = seen.count(TOKEN_MARK)
+        if found:
+            if self.ttft < 0:
+                self.ttft = time.perf_counter() - self.sent
+            self.tokens += found
+        self.tail = seen[-(len(TOKEN_MARK) - 1):]
+        if seen.endswith(LAST_CHUNK):
+            answer.set_result((self.ttft, self.tokens))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(ConnectionError("the relay closed the connection mid-answer"))
+
+
+def raw_request(url: str, max_tokens: int, headers: dict[str, str]) -> bytes:
+    """The unpaced load's request, as bytes (what aiohttp's client sent for it)."""
+    parts = urlsplit(url)
+    body = orjson.dumps({"model": "bench", "stream": True, "max_tokens": max_tokens,
+                         "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}})
+    fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{fields}\r\n").encode() + body
+
+
 async def level(url: str, concurrency: int, rounds: int, max_tokens: int,
                 headers: dict[str, str]) -> tuple[float, list[float], int]:
-    """Closed loop: `concurrency` streams at once, `rounds` times; (tokens/s, TTFTs, streams)."""
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(one_stream(session, url, 1, headers) for _ in range(concurrency)))  # warm
+    """Closed loop: `concurrency` streams at once on keep-alive connections of bare protocols,
+    `rounds` times; (tokens/s, TTFTs, streams)."""
+    loop = asyncio.get_running_loop()
+    parts = urlsplit(url)
+    conns: list[RawStream] = []
+    for _ in range(concurrency):
+        transport, conn = await loop.create_connection(RawStream, parts.hostname, parts.port)
+        conn.transport = transport  # (uvloop may tell `connection_made` a turn later)
+        conns.append(conn)
+    try:
+        warm, request = raw_request(url, 1, headers), raw_request(url, max_tokens, headers)
+        await asyncio.gather(*(conn.ask(warm) for conn in conns))
         ttfts: list[float] = []
         total = 0
         started = time.perf_counter()
         for _ in range(rounds):
-            results = await asyncio.gather(*(one_stream(session, url, max_tokens, headers)
-                                             for _ in range(concurrency)))
-            for ttft, tokens in results:
+            for ttft, tokens in await asyncio.gather(*(conn.ask(request) for conn in conns)):
                 ttfts.append(ttft)
                 total += tokens
         elapsed = time.perf_counter() - started
+    finally:
+        for conn in conns:
+            if conn.transport is not None:
+                conn.transport.close()
     return total / elapsed, ttfts, concurrency * (rounds + 1)
 
 
@@ -565,7 +650,7 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
           "core was")
     print(f"{'streams':>7} {'direct TTFT p50/p99 ms':>23}"
           + "".join(f" {name + ' +p50/p99 ms':>20} {'us/event':>9} {'busy':>5}" for name in relays))
-    for concurrency in levels:
+    for concurrency in levels if args.paced_rounds else ():
         direct_ttft = asyncio.run(staggered(setup.urls["direct"], concurrency, 4, args.paced_tokens,
                                             args.token_interval))
         line = (f"{concurrency:>7} "
@@ -605,7 +690,7 @@ def report(args: argparse.Namespace, setup: Setup, relays: list[str]) -> int:
                 parts.append(f"{name} {share * whole:.1f} of {whole:.2f} us ({share:.0%})")
         print(f"# {concurrency} paced streams, the kernel's part of that CPU (stime over utime+stime in "
               "/proc/PID/stat, every round): " + ", ".join(parts), flush=True)
-    if args.requests:
+    if args.requests and args.fixed_rounds:
         for name in relays:
             asyncio.run(short_requests(setup.urls[name], WARM_UP, 16))  # its pool grown, its code paths warm
         costs: dict[str, list[float]] = {name: [] for name in relays}
