@@ -11,6 +11,7 @@ import pytest
 from aiohttp.client_exceptions import ClientOSError
 from aiohttp.streams import StreamReader
 
+from proxy.relay.upstream import connection as connection_module
 from proxy.relay.upstream.connection import SETTLE_S, Connection
 from tests.support.mock_transport import MockTransport
 
@@ -206,3 +207,46 @@ async def test_a_body_that_breaks_off_fails_the_exchange_and_closes_the_connecti
     assert bytes(transport.written) == b"part" and transport.closed
     with pytest.raises(ClientOSError, match="could not be sent on"):
         await answer
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two ends of a loopback TCP connection: the kernel keeps its clock of the last data received."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname())
+        theirs, _ = listener.accept()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+async def test_the_kernels_clock_is_read_when_a_connection_comes_back_and_not_when_it_is_taken(
+        tcp_pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The taking is on the way to a first token: it makes one poll(2), not the clock's syscalls."""
+    read: list[float | None] = []
+    real = connection_module.quiet_for
+
+    def quiet_for(sock: object) -> float | None:
+        read.append(real(sock))
+        return read[-1]
+
+    monkeypatch.setattr(connection_module, "quiet_for", quiet_for)
+    ours, theirs = tcp_pair
+    theirs.sendall(b"HTTP/1.1 204 No Content\r\n\r\n")  # the server's last bytes, received by the kernel
+    ours.recv(64)
+    connection, _ = connected(ours)
+    connection.released(10.0)
+    assert len(read) == 1 and read[0] is not None and 0.0 <= read[0] < 1.0
+    assert connection.is_available(10.0, 3.0) and connection.is_available(10.5, 3.0)
+    assert len(read) == 1
+
+
+async def test_a_server_quiet_long_before_the_release_by_the_kernels_clock_makes_the_connection_unavailable(
+        pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer's end was read late (a slow client held the upstream back): the server's keep-alive
+    timer runs from its last byte, 2.9 s before the pool's clock began."""
+    monkeypatch.setattr(connection_module, "quiet_for", lambda sock: 2.9)
+    connection, _ = connected(pair[0])
+    connection.released(10.0)
+    assert connection.is_available(10.05, 3.0)
+    assert not connection.is_available(10.2, 3.0) and not connection.has_expired(10.2, 3.0)

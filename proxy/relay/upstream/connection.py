@@ -4,7 +4,8 @@ The connection reads answers with aiohttp's own response protocol and parser (ll
 framing, limits and errors as aiohttp's client. It keeps its own state, as httpcore's connection
 does, and answers the pool's questions itself: whether it can carry a request now
 (`is_available`), whether it should be closed (`has_expired`), how long the server has been
-quiet on it (`quiet_for`, the kernel's clock).
+quiet on it (`quiet_for`, the kernel's clock, read when the connection goes back to its pool: the
+taking of it, on the way to a first token, makes no syscall for it).
 
 That look cannot see a close still on its way. llama-server closes its connection after every
 streamed response despite `Keep-Alive`, a few milliseconds after the last byte: a request written
@@ -135,6 +136,7 @@ class Connection(ResponseHandler):
         self.received = 0  # bytes of the current answer that have come: a request is sent again only at 0
         self.streamed = False  # the current answer had no length: the server may close after it
         self.released_at = 0.0  # monotonic, when its last answer ended
+        self.last_heard: float | None = None  # monotonic, when the kernel last received from the server
         self._last: tuple[bytes, bytes] = (b"", b"")  # the last two reads, as they came (a chunked end)
         # Called after each read was parsed (False) and once the connection is lost (True): the
         # relay takes the body where it arrives (relay.body_pump).
@@ -315,9 +317,13 @@ class Connection(ResponseHandler):
         self.state = ConnectionState.TAKEN
 
     def released(self, now: float) -> None:
-        """Its answer ended at `now`: idle, in the pool."""
+        """Its answer ended at `now`: idle, in the pool. When the server's last byte reached the
+        kernel is read now, once (`quiet_for`): a byte after it is one of no request, which
+        `is_available` sees, so the figure holds for as long as the connection can be taken."""
         self.state = ConnectionState.IDLE
         self.released_at = now
+        quiet = quiet_for(self.sock) if self.sock is not None else None
+        self.last_heard = None if quiet is None else now - quiet
 
     @property
     def can_carry_another(self) -> bool:
@@ -345,8 +351,8 @@ class Connection(ResponseHandler):
         if (self.state is not ConnectionState.IDLE or sock is None or self.should_close  # (bytes of no request)
                 or not self.is_settled(now) or self.has_expired(now, max_idle_s)):
             return False
-        quiet = quiet_for(sock)
-        return (quiet is None or quiet <= max_idle_s) and not readable(sock.fileno())
+        last_heard = self.last_heard
+        return (last_heard is None or now - last_heard <= max_idle_s) and not readable(sock.fileno())
 
     # --- sending ---------------------------------------------------------------------------------
     async def send_body(self, pieces: AsyncIterator[bytes | bytearray | memoryview], chunked: bool) -> None:
