@@ -288,7 +288,7 @@ class _Exchange:
         self.forwarder = forwarder
         self.gated = False  # it waits for a place at the admission gate
         self.entered = False  # it has its place there (to give back when it ends)
-        self.admitted = False
+        self.admitted = False  # counted in flight (`admit`): the record is told when it is made
         self.slot: Slot | None = None
         self.at_start = 0
         self.response: web.StreamResponse | None = None  # the relayed answer, once its head is on its way
@@ -308,7 +308,7 @@ class _Exchange:
                 client=forwarder.clients.name(request.headers))
             recorder.trace_context(request.headers.get("traceparent"))  # forwarded unchanged like every header
             if self.admitted:
-                self._admitted(recorder)
+                self._tell_admitted(recorder)
         return recorder
 
     # --- admission ----------------------------------------------------------------------------
@@ -319,9 +319,9 @@ class _Exchange:
         self.at_start = self.slot.at_start if self.slot is not None else tracker.in_flight
         self.admitted = True
         if self._recorder is not None:
-            self._admitted(self._recorder)
+            self._tell_admitted(self._recorder)
 
-    def _admitted(self, recorder: Recorder) -> None:
+    def _tell_admitted(self, recorder: Recorder) -> None:
         config = self.forwarder.config
         recorder.admitted(self.at_start, config.deadline_mode if config.deadline_s or config.idle_timeout_s else None)
 
