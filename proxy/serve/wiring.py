@@ -12,17 +12,22 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiohttp
+import structlog
 
 from proxy.config import ProxyConfig
 from proxy.relay.upstream.pool import POOLED_IDLE_S
 from proxy.servers.base import ServerIdentity
 
+_log = structlog.get_logger("llm_diag_proxy")
 T = TypeVar("T")
 # The young generation's threshold once serving: a collection per 10,000 objects kept rather than
 # CPython's 700. Each request makes a few hundred objects that die with it, most before a
 # collection comes; at 700 the collector ran about 16 times a second at 64 paced streams, each
 # time walking what the requests in flight held, and moved it on to the older generations.
 YOUNG_THRESHOLD = 10_000
+# Each stream holds two descriptors (the client's connection and the upstream's) and the pool rests
+# a few more: under this many open files a serving process says, at start, what it bounds.
+FEW_OPEN_FILES = 4096
 
 
 def about(config: ProxyConfig, proxy_url: Callable[[], str], admin_url: Callable[[], str],
@@ -58,6 +63,33 @@ def settle_heap() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+def open_files() -> int | None:
+    """The process's soft limit of open files, raised to its hard limit first (as Go's runtime does
+    at start): a soft limit of 1024, a common default, would refuse streams from about 450 at once
+    on (every upstream connect failing with EMFILE). None where the system has no such limit."""
+    try:
+        import resource
+    except ImportError:  # (not POSIX)
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinity = resource.RLIM_INFINITY
+    target = hard if hard != infinity else 1 << 20  # (Linux's default fs.nr_open)
+    if soft != infinity and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return None if soft == infinity else soft
+
+
+def say_open_files(limit: int | None) -> None:
+    """A warning where the limit of open files bounds the streams a serving process can carry."""
+    if limit is not None and limit < FEW_OPEN_FILES:
+        _log.warning("few_open_files", limit=limit,
+                     note=f"each stream holds two descriptors: past about {limit // 2} streams at once new "
+                          "ones fail (502 upstream_unavailable, or their connection refused); raise the hard "
+                          "limit (ulimit -Hn, systemd's LimitNOFILE)")
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

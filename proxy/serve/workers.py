@@ -79,7 +79,16 @@ from proxy.serve.messages import (
 from proxy.serve.process import END_WAIT_S, RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.shared import DELIVERED, OPEN, Ledger, SharedState
 from proxy.serve.trace_receiver import TraceReceiver
-from proxy.serve.wiring import about, history_shown, run_loop, settle_heap, until_stopped, upstream_session
+from proxy.serve.wiring import (
+    about,
+    history_shown,
+    open_files,
+    run_loop,
+    say_open_files,
+    settle_heap,
+    until_stopped,
+    upstream_session,
+)
 from proxy.servers.base import UNKNOWN_SERVER
 from proxy.servers.identity import IdentityPoller
 from proxy.wire.parse_bytes import ParseBytes
@@ -530,6 +539,7 @@ async def _supervise(config: ProxyConfig) -> int:
     if not hasattr(socket, "SO_REUSEPORT"):
         print("llm-diag-proxy: error: --workers needs SO_REUSEPORT, which this platform lacks", file=sys.stderr)
         return 2
+    files = open_files()  # (before the workers start: they inherit it)
     if config.otel:  # each worker exports its own spans: said here, once, before any starts
         try:
             Tracer(config.upstream).close()
@@ -590,7 +600,8 @@ async def _supervise(config: ProxyConfig) -> int:
         _log.info("listening", proxy=urls["proxy"], admin=urls["admin"], upstream=config.upstream,
                   workers=config.workers, deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
                   deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,
-                  instance=config.instance, history=history_shown(config))
+                  instance=config.instance, history=history_shown(config), open_files=files)
+        say_open_files(files)
         await until_stopped(supervisor.failed.wait())
         code = 1 if supervisor.failed.is_set() else 0
     except OSError as exc:
