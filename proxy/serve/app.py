@@ -28,16 +28,7 @@ from proxy.serve.admin import UpstreamReachability, build_admin_app
 from proxy.serve.admin_reads import AdminReaders
 from proxy.serve.process import RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.trace_receiver import TraceReceiver
-from proxy.serve.wiring import (
-    about,
-    history_shown,
-    open_files,
-    run_loop,
-    say_open_files,
-    settle_heap,
-    until_stopped,
-    upstream_session,
-)
+from proxy.serve.wiring import about, history_shown, open_files, run_loop, settle_heap, until_stopped, upstream_session
 
 _log = structlog.get_logger("llm_diag_proxy")
 
@@ -177,7 +168,6 @@ async def _serve(config: ProxyConfig) -> int:
               deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
               deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,
               instance=config.instance, history=history_shown(config), open_files=files)
-    say_open_files(files)
     try:
         await until_stopped()
     finally:

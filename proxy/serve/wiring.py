@@ -68,7 +68,8 @@ def settle_heap() -> None:
 def open_files() -> int | None:
     """The process's soft limit of open files, raised to its hard limit first (as Go's runtime does
     at start): a soft limit of 1024, a common default, would refuse streams from about 450 at once
-    on (every upstream connect failing with EMFILE). None where the system has no such limit."""
+    on (every upstream connect failing with EMFILE). Under FEW_OPEN_FILES a warning says what it
+    bounds. None where the system has no such limit."""
     try:
         import resource
     except ImportError:  # (not POSIX)
@@ -80,16 +81,14 @@ def open_files() -> int | None:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-    return None if soft == infinity else soft
-
-
-def say_open_files(limit: int | None) -> None:
-    """A warning where the limit of open files bounds the streams a serving process can carry."""
-    if limit is not None and limit < FEW_OPEN_FILES:
-        _log.warning("few_open_files", limit=limit,
-                     note=f"each stream holds two descriptors: past about {limit // 2} streams at once new "
+    if soft == infinity:
+        return None
+    if soft < FEW_OPEN_FILES:
+        _log.warning("few_open_files", limit=soft,
+                     note=f"each stream holds two descriptors: past about {soft // 2} streams at once new "
                           "ones fail (502 upstream_unavailable, or their connection refused); raise the hard "
                           "limit (ulimit -Hn, systemd's LimitNOFILE)")
+    return soft
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

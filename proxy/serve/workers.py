@@ -79,16 +79,7 @@ from proxy.serve.messages import (
 from proxy.serve.process import END_WAIT_S, RUNNER_SHUTDOWN_S, LocalRecords, ServingProcess
 from proxy.serve.shared import DELIVERED, OPEN, Ledger, SharedState
 from proxy.serve.trace_receiver import TraceReceiver
-from proxy.serve.wiring import (
-    about,
-    history_shown,
-    open_files,
-    run_loop,
-    say_open_files,
-    settle_heap,
-    until_stopped,
-    upstream_session,
-)
+from proxy.serve.wiring import about, history_shown, open_files, run_loop, settle_heap, until_stopped, upstream_session
 from proxy.servers.base import UNKNOWN_SERVER
 from proxy.servers.identity import IdentityPoller
 from proxy.wire.parse_bytes import ParseBytes
@@ -601,7 +592,6 @@ async def _supervise(config: ProxyConfig) -> int:
                   workers=config.workers, deadline_s=config.deadline_s, idle_timeout_s=config.idle_timeout_s,
                   deadline_mode=config.deadline_mode, shutdown_grace_s=config.shutdown_grace_s,
                   instance=config.instance, history=history_shown(config), open_files=files)
-        say_open_files(files)
         await until_stopped(supervisor.failed.wait())
         code = 1 if supervisor.failed.is_set() else 0
     except OSError as exc:
