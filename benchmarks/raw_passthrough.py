@@ -9,6 +9,12 @@ of Python and the event loop per event, without aiohttp's server and without the
 product: no limits, no timeouts, no chunked requests, no pipelining beyond one request at a time.
 
     python benchmarks/raw_passthrough.py --upstream http://127.0.0.1:11434 --listen 127.0.0.1:8080
+
+With `--request-us`, `--head-us` and `--end-us` it models a relay that does more per answer: that many
+microseconds of CPU (a busy wait) where a relay does its per-answer work, each in the callback it
+belongs to, the way the proxy does it: before the request is written upstream, before the answer's
+first bytes are written to the client, and at the answer's end before the client's next request on
+the connection is read. `benchmarks/path_budget.py` measures what each placement costs the first token.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import asyncio
 import socket
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +33,22 @@ from proxy.relay.http1 import HOP_BY_HOP, transfer_codings
 
 _HEAD_END = b"\r\n\r\n"
 _DROPPED = frozenset(name.encode() for name in HOP_BY_HOP | {"host"})  # (the host is the upstream's)
+
+
+class Work:
+    """Seconds of busy CPU per answer at each place a relay does its per-answer work (none by default)."""
+
+    request = 0.0  # before the request is written upstream
+    head = 0.0  # before the answer's first bytes are written to the client
+    end = 0.0  # at the answer's end, before the client's next request is read
+
+
+def spin(seconds: float) -> None:
+    """Hold the CPU (and the loop) for `seconds`, as code would."""
+    if seconds:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
 
 
 def _length(head: bytes) -> tuple[int | None, bool]:
@@ -66,6 +89,8 @@ class Upstream(asyncio.Protocol):
         client = self.client
         if client is None or client.transport is None:
             return
+        if self.in_head and not self.head:
+            spin(Work.head)  # the per-answer work before its first bytes go out
         client.transport.write(data)  # as it came, at once
         if self.in_head:
             self.head += data
@@ -89,6 +114,7 @@ class Upstream(asyncio.Protocol):
             self._ended()
 
     def _ended(self) -> None:
+        spin(Work.end)  # the per-answer work at its end, before the client's next request is read
         client, self.client = self.client, None
         self.pool.append(self)
         if client is not None:
@@ -133,6 +159,7 @@ class Client(asyncio.Protocol):
         lines = [line for line in head.split(b"\r\n")[1:] if line.split(b":", 1)[0].strip().lower() not in _DROPPED]
         request = b"\r\n".join([head.split(b"\r\n", 1)[0], b"Host: " + self.relay.authority, *lines]) + _HEAD_END + body
         self.busy = True
+        spin(Work.request)  # the per-answer work before the request goes upstream
         self.relay.send(self, request)
 
     def answered(self) -> None:
@@ -175,7 +202,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--listen", required=True, help="HOST:PORT")
+    for place, where in (("request", "before the request is written upstream"),
+                         ("head", "before the answer's first bytes are written to the client"),
+                         ("end", "at the answer's end, before the client's next request is read")):
+        parser.add_argument(f"--{place}-us", type=float, default=0.0, help=f"busy microseconds per answer {where}")
     args, _ = parser.parse_known_args()  # the proxy's own flags are accepted and ignored
+    Work.request, Work.head, Work.end = args.request_us / 1e6, args.head_us / 1e6, args.end_us / 1e6
     import uvloop
 
     uvloop.run(serve(args.upstream, args.listen))
