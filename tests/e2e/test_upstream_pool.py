@@ -165,7 +165,7 @@ def test_the_kernel_dates_the_last_byte_a_connection_received() -> None:
         try:
             server.send(b"x")
             time.sleep(0.3)
-            quiet = quiet_for(client)
+            quiet = quiet_for(client.fileno())
             assert quiet is not None and 0.25 <= quiet < 2.0
         finally:
             client.close()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
+import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from aiohttp.client_exceptions import ClientOSError
@@ -250,3 +253,36 @@ async def test_a_server_quiet_long_before_the_release_by_the_kernels_clock_makes
     connection.released(10.0)
     assert connection.is_available(10.05, 3.0)
     assert not connection.is_available(10.2, 3.0) and not connection.has_expired(10.2, 3.0)
+
+
+def test_the_kernels_clock_is_read_through_libc_on_the_descriptor_and_leaves_it_open(
+        tcp_pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """libc's getsockopt(2) on the descriptor, no socket object made: the figure the socket's own
+    call gives, and where libc could not be loaded the socket's own call, detached after it."""
+    ours, theirs = tcp_pair
+    theirs.sendall(b"x")
+    ours.recv(1)
+    time.sleep(0.05)
+    assert connection_module._getsockopt is not None  # (Linux: what the relay uses)
+    through_libc = connection_module.quiet_for(ours.fileno())
+    raw = ours.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 56)
+    by_socket = struct.unpack_from("=I", raw, 52)[0] / 1000.0
+    assert through_libc is not None and 0.04 <= through_libc < 1.0
+    assert abs(through_libc - by_socket) < 0.02
+    monkeypatch.setattr(connection_module, "_getsockopt", None)
+    fallback = connection_module.quiet_for(ours.fileno())
+    assert fallback is not None and abs(fallback - through_libc) < 0.02
+    theirs.sendall(b"y")  # the descriptor is still ours, open, after both readings
+    assert ours.recv(1) == b"y"
+
+
+@pytest.mark.parametrize("libc", [True, False])
+def test_no_clock_where_the_descriptor_is_no_tcp_socket(libc: bool, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    if not libc:
+        monkeypatch.setattr(connection_module, "_getsockopt", None)
+    with (tmp_path / "f").open("wb") as file:
+        assert connection_module.quiet_for(file.fileno()) is None
+    assert connection_module.quiet_for(-1) is None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+        assert connection_module.quiet_for(unix.fileno()) is None
