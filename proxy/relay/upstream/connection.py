@@ -158,15 +158,14 @@ class ConnectionState(Enum):
 
 
 class Connection(ResponseHandler):
-    """aiohttp's response protocol, with the state of its connection (`state`): the socket (for the
+    """aiohttp's response protocol, with the state of its connection (`state`): the socket's descriptor (for the
     liveness look), which kind of answer its parser reads, the bytes of the current answer, and
     when it was released and may carry the next request."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
         self.state = ConnectionState.TAKEN
-        self.sock: Any = None
-        self.fd = -1  # the socket's descriptor, once connected
+        self.fd = -1  # the socket's descriptor, once connected (the liveness look, the kernel's clock)
         self.parses_head: bool | None = None  # None: no parser yet
         self.received = 0  # bytes of the current answer that have come: a request is sent again only at 0
         self.streamed = False  # the current answer had no length: the server may close after it
@@ -186,8 +185,8 @@ class Connection(ResponseHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.sock = transport.get_extra_info("socket")
-        self.fd = self.sock.fileno() if self.sock is not None else -1  # (for the kernel's clock)
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
         on_raw = self.on_raw
