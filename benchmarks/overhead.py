@@ -74,6 +74,15 @@ def harness_loadgen() -> Any:
     return loadgen
 
 
+def start_harness_upstream() -> tuple[subprocess.Popen[bytes], int]:
+    """The independent harness's upstream on CPU 0, listening (its process and port)."""
+    port = free_port()
+    upstream = subprocess.Popen(["taskset", "-c", "0", sys.executable, str(HARNESS / "upstream.py"), "--port",
+                                 str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_for(port)
+    return upstream, port
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -30,7 +30,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.overhead import HARNESS, free_port, harness_loadgen, stop_all, wait_for  # noqa: E402
+from benchmarks.overhead import (  # noqa: E402
+    HARNESS,
+    free_port,
+    harness_loadgen,
+    start_harness_upstream,
+    stop_all,
+    wait_for,
+)
 
 GRID = "0,0,0 100,100,0 100,100,200 200,150,0 200,150,150 300,200,0 300,200,400"
 
@@ -90,12 +97,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="path-budget-") as name:
         tmp = Path(name)
         try:
-            upstream_port = free_port()
-            upstream = subprocess.Popen(["taskset", "-c", "0", sys.executable, str(HARNESS / "upstream.py"),
-                                         "--port", str(upstream_port)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.STDOUT)
+            upstream, upstream_port = start_harness_upstream()
             processes.append(upstream)
-            wait_for(upstream_port)
             os.sched_setaffinity(0, {0})  # the generator beside the upstream, as the harness runs it
             direct = asyncio.run(measure(loadgen, upstream_port, None, upstream.pid, args.rounds, args.seconds))
             print(f"64 paced streams, 50 tokens, {args.rounds} rounds of {args.seconds:g} s per row; "

@@ -31,7 +31,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.overhead import HARNESS, free_port, harness_loadgen, stop_all, wait_for  # noqa: E402
+from benchmarks.overhead import (  # noqa: E402
+    HARNESS,
+    free_port,
+    harness_loadgen,
+    start_harness_upstream,
+    stop_all,
+    wait_for,
+)
 
 
 def start_proxy(tree: Path, upstream: int, extra: str, tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -89,12 +96,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as name:
         tmp = Path(name)
         try:
-            upstream_port = free_port()
-            upstream = subprocess.Popen(["taskset", "-c", "0", sys.executable, str(HARNESS / "upstream.py"),
-                                         "--port", str(upstream_port)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.STDOUT)
+            upstream, upstream_port = start_harness_upstream()
             processes.append(upstream)
-            wait_for(upstream_port)
             a, a_port = start_proxy(args.a, upstream_port, args.a_args, tmp, "a")
             processes.append(a)
             b, b_port = start_proxy(args.b, upstream_port, args.b_args, tmp, "b")
